@@ -1,0 +1,128 @@
+"""Getting a Ray cluster: attach to one, start a local one, or simulate several nodes for a dry run."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from .errors import ClusterError
+from .spec import LaunchSpec
+
+log = logging.getLogger("megaray")
+NAMESPACE = "megaray"
+
+
+@dataclass
+class Cluster:
+    """The cluster a launch runs on. `fixed_size` is True for clusters this process started: no
+    autoscaler can add nodes to them, so a layout that does not fit fails at once instead of waiting."""
+
+    address: str
+    fixed_size: bool
+    simulated: bool = False
+
+
+def _reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail in seconds, not after Ray's long retry loop, when a host:port address does not answer."""
+    if address in ("auto", "local") or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ClusterError(f"Ray address {address!r} is not HOST:PORT; fix --address or RAY_ADDRESS")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise ClusterError(
+            f"cannot reach a Ray cluster at {address} ({e.strerror or e}); start one with "
+            "`ray start --head` or fix --address / RAY_ADDRESS"
+        ) from None
+
+
+def _init(**kwargs: Any) -> None:
+    try:
+        ray.init(namespace=NAMESPACE, log_to_driver=True, logging_level=logging.WARNING, **kwargs)
+    except ConnectionError as e:
+        raise ClusterError(
+            f"cannot connect to Ray at {kwargs.get('address')}: {str(e).splitlines()[0]}; fix --address "
+            "or RAY_ADDRESS"
+        ) from None
+    except RuntimeError as e:
+        if "version mismatch" in str(e).lower():
+            raise ClusterError(
+                f"{str(e).splitlines()[0]}; install the cluster's Ray and Python versions in the driver"
+            ) from None
+        raise
+
+
+@contextlib.contextmanager
+def connect(spec: LaunchSpec) -> Iterator[Cluster]:
+    """Yield a connected cluster; disconnect (and stop what we started) afterwards.
+
+    An existing connection in this process (tests, notebooks) is used as it is and kept.
+    """
+    if ray.is_initialized():
+        ctx = ray.get_runtime_context()
+        yield Cluster(address=ctx.gcs_address, fixed_size=False)
+        return
+    sim = None
+    try:
+        if spec.address:
+            _reachable(spec.address)
+            _init(address=spec.address)
+            cluster = Cluster(address=spec.address, fixed_size=False)
+        elif spec.dry_run:
+            sim = _simulate(spec)
+            _init(address=sim.address)
+            cluster = Cluster(address=sim.address, fixed_size=True, simulated=True)
+        else:
+            _init(include_dashboard=False)
+            cluster = Cluster(address=ray.get_runtime_context().gcs_address, fixed_size=True)
+        yield cluster
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        if sim is not None:
+            sim.shutdown()
+
+
+def _simulate(spec: LaunchSpec):
+    """N local raylets with declared GPUs: the whole multi-node path on one machine."""
+    from ray.cluster_utils import Cluster as RayCluster
+
+    per_node = {
+        "num_cpus": max(1, int(spec.cpus_per_rank * spec.gpus_per_node + 0.999)),
+        "num_gpus": spec.gpus_per_node if spec.uses_gpus else 0,
+    }
+    log.info(
+        "simulating %d node(s) x %d %s on this machine", spec.nodes, spec.gpus_per_node,
+        "declared GPUs" if spec.uses_gpus else "CPU ranks",
+    )
+    sim = RayCluster(initialize_head=True, head_node_args={**per_node, "include_dashboard": False})
+    for _ in range(spec.nodes - 1):
+        sim.add_node(**per_node)
+    sim.wait_for_nodes()
+    return sim
+
+
+def check_versions(infos: list[dict[str, Any]]) -> None:
+    """Every rank's node must run the driver's Ray and Python (pickled code and wire formats differ)."""
+    want = (ray.__version__, ".".join(map(str, sys.version_info[:3])))
+    bad = {}
+    for i in infos:
+        got = (i["ray_version"], i["python_version"])
+        if got != want:
+            bad[i["node_ip"] + f" ({i['hostname']})"] = got
+    if bad:
+        nodes = "; ".join(f"{n}: Ray {r}, Python {p}" for n, (r, p) in sorted(bad.items()))
+        raise ClusterError(
+            f"node versions differ from the driver's (Ray {want[0]}, Python {want[1]}): {nodes}; "
+            "install the same Ray and Python on every node and the driver"
+        )

@@ -1,0 +1,96 @@
+"""One exception family, so the CLI can map every failure to an exit code and a one-line message.
+
+Bad input and missing resources exit 2 (the user must change a setting); a rank failing exits 1
+(the program failed); an interrupted launch exits 130 (SIGINT) or 143 (SIGTERM), as a shell would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class MegarayError(Exception):
+    """Base class: `str(err)` is the cause and the setting that fixes it."""
+
+    exit_code = 1
+
+
+class UsageError(MegarayError):
+    """The command line or a data file asks for something impossible or unknown."""
+
+    exit_code = 2
+
+
+class ClusterError(MegarayError):
+    """The Ray cluster cannot be reached, or its nodes disagree with the driver."""
+
+    exit_code = 2
+
+
+class ResourceError(MegarayError):
+    """The cluster does not have (or did not free in time) what the layout asks for."""
+
+    exit_code = 2
+
+
+class Interrupted(MegarayError):
+    """The driver got SIGINT or SIGTERM; every rank was stopped."""
+
+    def __init__(self, signum: int, name: str):
+        super().__init__(f"interrupted by {name}: stopped every rank and removed the placement groups")
+        self.exit_code = 128 + signum
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What one rank's failure looked like from the driver."""
+
+    rank: int
+    node_ip: str
+    hostname: str
+    gpu: str
+    kind: str  # "exception", "exit", "died"
+    summary: str
+    traceback: str = ""
+    exit_code: int | None = None
+    at: float = 0.0  # wall-clock time of the failure, to pick the root cause across ranks
+
+
+class RankFailedError(MegarayError):
+    """One or more ranks failed; the earliest failure is the root cause (as torch elastic reports)."""
+
+    exit_code = 1
+
+    def __init__(self, failures: list[RankFailure], world_size: int):
+        self.failures = sorted(failures, key=lambda f: (f.at, f.rank))
+        self.world_size = world_size
+        self.root = self.failures[0]
+        super().__init__(
+            f"rank {self.root.rank} on {self.root.node_ip} ({self.root.hostname}) failed: {self.root.summary}"
+        )
+
+    def report(self) -> str:
+        """The block printed at the end of a failed launch: root cause first, with its traceback."""
+        r = self.root
+        line = "=" * 72
+        out = [
+            line,
+            "megaray: launch failed",
+            "Root cause (first failure):",
+            f"  rank      : {r.rank} of {self.world_size}",
+            f"  node      : {r.node_ip} ({r.hostname})",
+            f"  gpu       : {r.gpu or '-'}",
+            f"  what      : {r.summary}",
+        ]
+        if r.exit_code is not None:
+            out.append(f"  exit code : {r.exit_code}")
+        if r.traceback:
+            out.append("  traceback :")
+            out.extend("    " + ln for ln in r.traceback.rstrip().splitlines())
+        others = [f for f in self.failures[1:]]
+        if others:
+            out.append("Other failures:")
+            out.extend(f"  rank {f.rank} on {f.node_ip}: {f.summary}" for f in others)
+        out.append("Every other rank was stopped and the placement groups were removed.")
+        out.append(line)
+        return "\n".join(out)

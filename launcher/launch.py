@@ -1,0 +1,380 @@
+"""The launch itself: place, order, start one actor per rank, set the env, run, supervise, clean up.
+
+This is the only module that sequences Ray calls; the decisions it applies (rank order, env,
+ports, failure reports) come from pure functions elsewhere. Every exit path goes through
+`_Job.teardown()`, which kills every actor and removes every placement group.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib.util
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from . import placement, ports
+from .cluster import NAMESPACE, Cluster, check_versions, connect
+from .errors import ClusterError, Interrupted, RankFailedError, RankFailure, ResourceError, UsageError
+from .profiles import load_profile
+from .rankenv import EnvDecision, contract_env, decide_env
+from .spec import LaunchSpec, Target
+from .topology import RankSlot, assign_ranks, format_rank_ranges, order_nodes, visible_devices
+from .worker import RankActor
+
+log = logging.getLogger("megaray")
+
+ACTOR_START_TIMEOUT_S = 300.0  # covers runtime-env set-up and image pulls on first use of a node
+ROOT_CAUSE_WINDOW_S = 0.1  # failures arriving this close together are compared to find the first
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    rank: int
+    local_rank: int
+    node_rank: int
+    node_ip: str
+    hostname: str
+    gpu: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    job_name: str
+    world_size: int
+    master_addr: str
+    master_port: int
+    ranks: tuple[RankInfo, ...]
+    returns: tuple[Any, ...]  # what each rank's target returned, by rank
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+def launch(spec: LaunchSpec) -> LaunchResult:
+    """Run `spec` on the cluster and return when every rank has finished; raises MegarayError."""
+    check_target_locally(spec.target, spec.cwd)
+    profile = load_profile(spec.env_profile) if spec.env_profile else {}
+    with _signals_raise(), connect(spec) as cluster:
+        job = _Job(spec, cluster, profile)
+        try:
+            return job.execute()
+        finally:
+            job.teardown()
+
+
+def check_target_locally(target: Target, cwd: str) -> None:
+    """Catch a missing script or entrypoint in the driver, before anything is placed.
+
+    The entrypoint's module is located and parsed, not imported: importing user code in the driver
+    could import torch or start work there.
+    """
+    if target.kind == "script":
+        path = os.path.join(cwd, target.name)
+        if not os.path.isfile(path):
+            raise UsageError(f"script {target.name} not found (looked in {cwd}); give the path of a Python file")
+        return
+    if target.kind not in ("module", "entrypoint"):
+        return
+    module_name, _, func_name = target.name.partition(":")
+    sys.path.insert(0, cwd)
+    try:
+        found = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):
+        found = None
+    finally:
+        sys.path.remove(cwd)
+    flag = "--entrypoint" if target.kind == "entrypoint" else "-m"
+    if found is None:
+        raise UsageError(
+            f"{flag} {target.name}: no module named {module_name} in {cwd} or the installed packages; "
+            "check the spelling or install the package"
+        )
+    if target.kind == "entrypoint" and found.origin and found.origin.endswith(".py"):
+        names = _top_level_names(found.origin)
+        if names is not None and func_name not in names:
+            raise UsageError(
+                f"--entrypoint {target.name}: {module_name} ({found.origin}) defines no {func_name}; "
+                "name a function defined at the top level of that module"
+            )
+
+
+def _top_level_names(path: str) -> set[str] | None:
+    """Names bound at module level, or None when they cannot be known statically (star imports)."""
+    try:
+        tree = ast.parse(open(path, encoding="utf-8").read(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                if alias.name == "*":
+                    return None
+                names.add((alias.asname or alias.name).split(".")[0])
+        elif isinstance(node, (ast.Name,)) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
+            return None
+    if "__getattr__" in names:
+        return None
+    return names
+
+
+@contextlib.contextmanager
+def _signals_raise() -> Iterator[None]:
+    """SIGINT and SIGTERM become `Interrupted` in the driver, so teardown runs on both."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, _frame):
+        raise Interrupted(signum, signal.Signals(signum).name)
+
+    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+class _Job:
+    def __init__(self, spec: LaunchSpec, cluster: Cluster, profile: dict[str, str]):
+        self.spec = spec
+        self.cluster = cluster
+        self.profile = profile
+        self.groups: list = []
+        self.actors: list = []  # by rank
+        self.slots: list[RankSlot] = []
+        self.run_refs: list = []
+        self.port_reserved: tuple[str, int] | None = None
+        self.t0 = time.monotonic()
+        self.timings: dict[str, float] = {}
+
+    def _mark(self, name: str) -> None:
+        self.timings[name] = round(time.monotonic() - self.t0, 3)
+
+    # -- the launch, step by step ------------------------------------------------------------
+    def execute(self) -> LaunchResult:
+        spec = self.spec
+        log.info(
+            "job %s: %d node(s) x %d rank(s) = %d, target: %s",
+            spec.job_name, spec.nodes, spec.gpus_per_node, spec.world_size, spec.target.describe(),
+        )
+        self._place()
+        infos = self._start_actors()
+        master_addr = self.slots[0].node_ip
+        master_port = self._choose_port(master_addr)
+        decisions = self._decide_envs(infos, master_addr, master_port)
+        ray.get([a.setup.remote(d.to_set) for a, d in zip(self.actors, decisions, strict=True)])
+        self._mark("env_set")
+        ranks = tuple(
+            RankInfo(s.rank, s.local_rank, s.node_rank, s.node_ip, i["hostname"], ",".join(i["gpu_ids"]), i["pid"])
+            for s, i in zip(self.slots, infos, strict=True)
+        )
+        self._log_topology(ranks, master_addr, master_port)
+        self._log_env(decisions)
+        returns = self._supervise(infos)
+        self._mark("finished")
+        log.info("all %d ranks finished in %.1f s", spec.world_size, self.timings["finished"])
+        return LaunchResult(spec.job_name, spec.world_size, master_addr, master_port, ranks, returns, self.timings)
+
+    def _place(self) -> None:
+        spec = self.spec
+        problem = placement.feasibility_problem(spec)
+        if problem and self.cluster.fixed_size:
+            raise placement.resource_error(spec, 0, problem)
+        if problem:
+            log.warning("%s; waiting up to %gs for more nodes", problem, spec.placement_timeout_s)
+        self.groups = placement.create_groups(spec)
+        placed = placement.wait_groups(self.groups, spec.placement_timeout_s)
+        if placed < len(self.groups):
+            raise placement.resource_error(spec, placed, f"not placed within {spec.placement_timeout_s:g}s")
+        self._mark("placed")
+        self.slots = assign_ranks(order_nodes(placement.resolve_nodes(self.groups)), spec.gpus_per_node)
+
+    def _start_actors(self) -> list[dict[str, Any]]:
+        spec = self.spec
+        actor_cls = ray.remote(RankActor)
+        for s in self.slots:
+            self.actors.append(
+                actor_cls.options(
+                    name=f"{spec.job_name}-rank{s.rank}",
+                    namespace=NAMESPACE,
+                    num_cpus=spec.cpus_per_rank,
+                    num_gpus=1 if spec.uses_gpus else 0,
+                    max_restarts=0,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        self.groups[s.group], placement_group_bundle_index=s.bundle
+                    ),
+                ).remote(spec.job_name, s.rank, s.node_ip)
+            )
+        refs = [a.info.remote() for a in self.actors]
+        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=ACTOR_START_TIMEOUT_S)
+        if len(ready) < len(refs):
+            raise ResourceError(
+                f"{len(refs) - len(ready)} of {len(refs)} rank actors did not start within "
+                f"{ACTOR_START_TIMEOUT_S:g}s (runtime environment set-up?); check `ray status` and the "
+                "raylet logs of their nodes"
+            )
+        try:
+            infos = ray.get(refs)
+        except ray.exceptions.RayActorError as e:
+            raise ClusterError(
+                f"a rank actor failed to start: {_first_line(e)}; is megaray installed on every node "
+                "with the driver's Python?"
+            ) from None
+        self._mark("actors_ready")
+        check_versions(infos)
+        return infos
+
+    def _choose_port(self, master_addr: str) -> int:
+        spec = self.spec
+        found = ray.get(self.actors[0].free_ports.remote(spec.job_name, 16, spec.master_port))
+        if spec.master_port is not None and not found:
+            raise UsageError(
+                f"--master-port {spec.master_port} is in use on the master node {master_addr}; choose "
+                "another port or leave --master-port out to pick a free one"
+            )
+        port = ports.reserve(master_addr, found, spec.job_name)
+        if port is None and spec.master_port is not None:
+            port = spec.master_port  # asked for explicitly: another job's reservation does not bind it
+        if port is None:
+            raise ResourceError(f"no free port for MASTER_PORT on {master_addr}; pass --master-port")
+        self.port_reserved = (master_addr, port)
+        return port
+
+    def _decide_envs(self, infos: list[dict[str, Any]], master_addr: str, master_port: int) -> list[EnvDecision]:
+        spec = self.spec
+        by_node: dict[int, list[list[str]]] = {}
+        for s, i in zip(self.slots, infos, strict=True):
+            by_node.setdefault(s.node_rank, []).append(i["gpu_ids"])
+        visible = {n: visible_devices(ids) for n, ids in by_node.items()}
+        decisions = []
+        for s, i in zip(self.slots, infos, strict=True):
+            contract = contract_env(
+                s,
+                world_size=spec.world_size,
+                local_world_size=spec.gpus_per_node,
+                num_nodes=spec.nodes,
+                master_addr=master_addr,
+                master_port=master_port,
+                run_id=spec.job_name,
+                visible_devices=visible[s.node_rank],
+            )
+            decisions.append(
+                decide_env(
+                    contract,
+                    node_env=i["inherited_env"],
+                    profile=self.profile,
+                    profile_name=spec.env_profile,
+                    overrides=spec.env_overrides,
+                )
+            )
+        return decisions
+
+    def _supervise(self, infos: list[dict[str, Any]]) -> tuple[Any, ...]:
+        """Wait for every rank; the first failure stops all of them (they would hang in collectives)."""
+        spec = self.spec
+        self.run_refs = [a.run.remote(spec.target, spec.cwd) for a in self.actors]
+        self._mark("started")
+        rank_of = {ref: r for r, ref in enumerate(self.run_refs)}
+        returns: list[Any] = [None] * len(self.run_refs)
+        failures: list[RankFailure] = []
+        pending = list(self.run_refs)
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=0.5)
+            if not done:
+                continue
+            for ref in done:
+                self._collect(ref, rank_of[ref], infos, returns, failures)
+            if failures:
+                # Peers of a dead rank fail a moment later with connection errors: gather what arrives
+                # within a short window, so the root cause is the rank that failed first.
+                more, pending = ray.wait(pending, num_returns=len(pending), timeout=ROOT_CAUSE_WINDOW_S)
+                for ref in more:
+                    self._collect(ref, rank_of[ref], infos, returns, failures)
+                raise RankFailedError(failures, spec.world_size)
+        return tuple(returns)
+
+    def _collect(self, ref, rank: int, infos, returns: list, failures: list[RankFailure]) -> bool:
+        info = infos[rank]
+        where = {"rank": rank, "node_ip": info["node_ip"], "hostname": info["hostname"],
+                 "gpu": ",".join(info["gpu_ids"])}
+        try:
+            out = ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            failures.append(RankFailure(**where, kind="died", summary=_death_summary(e, info), at=time.time()))
+            return False
+        except ray.exceptions.RayError as e:
+            failures.append(RankFailure(**where, kind="exception", summary=_first_line(e), traceback=str(e),
+                                        at=time.time()))
+            return False
+        if out["ok"]:
+            returns[rank] = out["value"]
+            return True
+        failures.append(RankFailure(**where, kind=out["kind"], summary=out["summary"], traceback=out["traceback"],
+                                    exit_code=out["exit_code"], at=out["at"]))
+        return False
+
+    # -- logging -------------------------------------------------------------------------------
+    def _log_topology(self, ranks: tuple[RankInfo, ...], master_addr: str, master_port: int) -> None:
+        rows = [("rank", "node", "ip", "host", "local_rank", "gpu", "pid")]
+        rows += [(str(r.rank), str(r.node_rank), r.node_ip, r.hostname, str(r.local_rank), r.gpu or "-", str(r.pid))
+                 for r in ranks]
+        widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
+        lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in rows]
+        log.info("topology (MASTER_ADDR=%s MASTER_PORT=%d):\n%s", master_addr, master_port,
+                 "\n".join("  " + ln for ln in lines))
+
+    def _log_env(self, decisions: list[EnvDecision]) -> None:
+        first = decisions[0].to_set
+        log.info("env of rank 0: %s", " ".join(f"{k}={v}" for k, v in sorted(first.items())))
+        notes: dict[str, list[int]] = {}
+        for rank, d in enumerate(decisions):
+            for note in d.notes:
+                notes.setdefault(note, []).append(rank)
+        for note, ranks in notes.items():
+            log.warning("env on rank(s) %s: %s", format_rank_ranges(ranks), note)
+
+    # -- teardown -------------------------------------------------------------------------------
+    def teardown(self) -> None:
+        """Kill every rank and remove every group, whatever happened; then release the port."""
+        for a in self.actors:
+            with contextlib.suppress(Exception):
+                ray.kill(a, no_restart=True)
+        placement.remove_groups(self.groups)
+        if self.port_reserved:
+            ports.release(*self.port_reserved)
+        self._mark("torn_down")
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def _death_summary(e: ray.exceptions.RayActorError, info: dict[str, Any]) -> str:
+    """What Ray knows of a rank process that died: killed, OOM-killed, or its node lost."""
+    text = str(e)
+    low = text.lower()
+    if "out of memory" in low or "oom" in low or "memory monitor" in low:
+        what = "its process was killed for running out of memory"
+    elif "node" in low and ("died" in low or "dead" in low) and "worker" not in low:
+        what = "its node was lost"
+    else:
+        what = "its process died"
+    detail = next((ln.strip() for ln in text.splitlines() if "exit" in ln.lower() or "signal" in ln.lower()), "")
+    return f"{what} (pid {info['pid']}){': ' + detail if detail else ''}"

@@ -1,0 +1,204 @@
+"""The launch request: one frozen `LaunchSpec`, built from the command line by `spec_from_args`.
+
+Everything after parsing receives the same spec unchanged, so what was asked is what is recorded
+and what is run. Values are checked in `__post_init__`, whose messages print the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from .errors import UsageError
+from .rankenv import parse_env_pairs
+
+DEFAULT_PLACEMENT_TIMEOUT_S = 120.0
+_JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+_MODULE = re.compile(r"^[A-Za-z_][\w.]*$")
+
+
+@dataclass(frozen=True)
+class Target:
+    """What every rank runs: a script (as `python script.py args`), a module (`python -m`), a
+    `pkg.module:function` entrypoint, or the built-in dry-run check."""
+
+    kind: str  # "script" | "module" | "entrypoint" | "dryrun"
+    name: str
+    args: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        if self.kind not in ("script", "module", "entrypoint", "dryrun"):
+            raise ValueError(f"unknown target kind {self.kind!r}")
+        if self.kind == "entrypoint" and not _ENTRYPOINT.match(self.name):
+            raise ValueError(f"--entrypoint {self.name!r} is not of the form pkg.module:function")
+        if self.kind == "module" and not _MODULE.match(self.name):
+            raise ValueError(f"-m {self.name!r} is not a module name such as pkg.train")
+
+    def describe(self) -> str:
+        shown = {"script": self.name, "module": f"-m {self.name}", "entrypoint": self.name}
+        return " ".join([shown.get(self.kind, "dry-run check"), *self.args])
+
+
+DRY_RUN_TARGET = Target("dryrun", "launcher.dryrun:check")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    nodes: int
+    gpus_per_node: int
+    target: Target
+    device: str = "gpu"  # "gpu": one GPU bundle per rank; "cpu": CPU bundles only
+    dry_run: bool = False
+    cpus_per_rank: float = 1.0
+    address: str | None = None  # None: RAY_ADDRESS, else a local Ray (simulated nodes for --dry-run)
+    job_name: str = ""
+    placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S
+    master_port: int | None = None
+    env_profile: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    cwd: str = field(default_factory=os.getcwd)
+
+    def __post_init__(self):
+        if self.nodes < 1:
+            raise ValueError(f"--nodes must be at least 1, got {self.nodes}")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"--gpus-per-node must be at least 1, got {self.gpus_per_node}")
+        if self.device not in ("gpu", "cpu"):
+            raise ValueError(f"--device must be gpu or cpu, got {self.device!r}")
+        if self.cpus_per_rank < 0 or (self.device == "cpu" and self.cpus_per_rank == 0):
+            raise ValueError(
+                f"--cpus-per-rank must be {'above' if self.device == 'cpu' else 'at least'} 0 "
+                f"with --device {self.device}, got {self.cpus_per_rank}"
+            )
+        if self.placement_timeout_s <= 0:
+            raise ValueError(f"--placement-timeout must be above 0 seconds, got {self.placement_timeout_s}")
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise ValueError(f"--master-port must be within 1-65535, got {self.master_port}")
+        if not _JOB_NAME.match(self.job_name):
+            raise ValueError(
+                f"--job-name {self.job_name!r} must be 1-63 letters, digits, '.', '_' or '-', "
+                "starting with a letter or digit"
+            )
+        if self.dry_run != (self.target.kind == "dryrun"):
+            raise ValueError("--dry-run runs the built-in check: drop the script or --entrypoint, or --dry-run")
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def uses_gpus(self) -> bool:
+        return self.device == "gpu"
+
+    @property
+    def env_overrides(self) -> dict[str, str]:
+        return dict(self.env)
+
+
+def default_job_name() -> str:
+    return f"megaray-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse that raises instead of exiting, so `main()` owns the exit code and the message."""
+
+    def error(self, message: str):
+        raise UsageError(f"{message} (see --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="megaray",
+        description="Launch a torchrun-style program on a Ray cluster: one placement group per node, "
+        "one actor per rank, the torchrun env contract in each.",
+    )
+    p.add_argument("--nodes", type=int, default=1, help="number of nodes (one placement group each)")
+    p.add_argument(
+        "--gpus-per-node",
+        "--nproc-per-node",
+        dest="gpus_per_node",
+        type=int,
+        default=1,
+        help="ranks per node; each rank gets one GPU (or one CPU bundle with --device cpu)",
+    )
+    p.add_argument("--device", choices=("gpu", "cpu"), default="gpu", help="gpu (default) or cpu bundles")
+    p.add_argument(
+        "--cpus-per-rank", type=float, default=1.0, help="CPUs reserved per rank in its bundle (default 1)"
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run a gloo init/all-reduce/barrier check on every rank instead of a program; with no "
+        "cluster address, the nodes are simulated on this machine",
+    )
+    p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
+    p.add_argument("--job-name", help="name for the placement groups and actors (default: generated)")
+    p.add_argument(
+        "--placement-timeout",
+        type=float,
+        default=DEFAULT_PLACEMENT_TIMEOUT_S,
+        help=f"seconds to wait for the cluster to fit the layout (default {DEFAULT_PLACEMENT_TIMEOUT_S:g})",
+    )
+    p.add_argument("--master-port", type=int, help="rendezvous port (default: a free port on the master node)")
+    p.add_argument("--env-profile", help="network/NCCL env profile: a name under env/ or a YAML path")
+    p.add_argument(
+        "--env", action="append", default=[], metavar="KEY=VALUE", help="set a variable in every rank"
+    )
+    p.add_argument("--entrypoint", metavar="PKG.MODULE:FUNCTION", help="call this function on every rank")
+    p.add_argument("-m", "--module", help="run a module as `python -m MODULE` on every rank")
+    p.add_argument("target", nargs="?", help="script to run on every rank, as torchrun runs it")
+    p.add_argument("target_args", nargs=argparse.REMAINDER, help="arguments for the script or function")
+    return p
+
+
+def spec_from_args(
+    argv: list[str], environ: Mapping[str, str] | None = None, cwd: str | None = None
+) -> LaunchSpec:
+    """Parse the command line into a LaunchSpec; bad input raises UsageError (exit 2)."""
+    environ = os.environ if environ is None else environ
+    args = build_parser().parse_args(argv)
+    if args.entrypoint and args.module:
+        raise UsageError("give one target: --entrypoint or -m, not both")
+    try:
+        if args.dry_run and not (args.entrypoint or args.module or args.target):
+            target = DRY_RUN_TARGET
+        elif args.entrypoint:
+            target = Target("entrypoint", args.entrypoint, tuple(_script_args(args)))
+        elif args.module:
+            target = Target("module", args.module, tuple(_script_args(args)))
+        elif args.target:
+            target = Target("script", args.target, tuple(args.target_args))
+        else:
+            raise UsageError("nothing to run: give a script, --entrypoint pkg.module:function, -m module, or --dry-run")
+        env = parse_env_pairs(args.env)
+        return LaunchSpec(
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            target=target,
+            device=args.device,
+            dry_run=args.dry_run,
+            cpus_per_rank=args.cpus_per_rank,
+            address=args.address or environ.get("RAY_ADDRESS") or None,
+            job_name=args.job_name or default_job_name(),
+            placement_timeout_s=args.placement_timeout,
+            master_port=args.master_port,
+            env_profile=args.env_profile,
+            env=tuple(env.items()),
+            cwd=cwd or os.getcwd(),
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _script_args(args: argparse.Namespace) -> list[str]:
+    """With --entrypoint or -m, everything positional is the function's or module's arguments."""
+    rest = ([args.target] if args.target else []) + list(args.target_args)
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    return rest
