@@ -12,9 +12,21 @@ from .spec import spec_from_args
 log = logging.getLogger("megaray")
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time (tests and notebooks swap it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
 def _setup_logging() -> None:
     if not log.handlers:
-        handler = logging.StreamHandler(sys.stderr)
+        handler = _StderrHandler()
         handler.setFormatter(logging.Formatter("megaray: %(message)s"))
         log.addHandler(handler)
         log.setLevel(logging.INFO)
@@ -31,7 +43,14 @@ def main(argv: list[str] | None = None) -> int:
         spec = spec_from_args(sys.argv[1:] if argv is None else argv)
         from .launch import launch  # imports ray: after the spec, so --help and bad input stay fast
 
-        launch(spec)
+        result = launch(spec)
+        if spec.dry_run:
+            views = result.returns
+            log.info(
+                "dry run passed: %d ranks on %d node(s) joined %s over gloo, all-reduce gave %d on every rank, "
+                "LOCAL_RANK unique per node",
+                result.world_size, spec.nodes, views[0]["master"], views[0]["all_reduce"],
+            )
     except RankFailedError as e:
         print(e.report(), file=sys.stderr, flush=True)
         return e.exit_code

@@ -6,6 +6,7 @@ Bad input and missing resources exit 2 (the user must change a setting); a rank 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -94,3 +95,23 @@ class RankFailedError(MegarayError):
         out.append("Every other rank was stopped and the placement groups were removed.")
         out.append(line)
         return "\n".join(out)
+
+
+def describe_death(ray_message: str) -> str:
+    """One line for a rank process that died, from Ray's ActorDiedError text.
+
+    Ray's text lists every possible cause of an unexpected exit (OOM killer, `ray stop`, a crash);
+    keep what it knows for sure: its memory monitor, a lost node, or the exit detail.
+    """
+    text = " ".join(ray_message.split())
+    low = text.lower()
+    if "low on memory" in low or "out_of_memory" in low:
+        what = "killed by Ray's memory monitor: the node ran low on memory"
+    elif "node has died" in low or "node died" in low or "node_died" in low or "node was lost" in low:
+        what = "its node was lost"
+    elif "intentionally killed" in low or "ray.kill" in low:
+        what = "its actor was killed (ray.kill or `ray stop`)"
+    else:
+        what = "its process exited unexpectedly (a signal such as SIGKILL, the kernel OOM killer, or a crash)"
+    detail = re.search(r"Worker exit detail: (.*?\.)( |$)", text)
+    return f"{what}; Ray: {detail.group(1)}" if detail else what

@@ -25,7 +25,15 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from . import placement, ports
 from .cluster import NAMESPACE, Cluster, check_versions, connect
-from .errors import ClusterError, Interrupted, RankFailedError, RankFailure, ResourceError, UsageError
+from .errors import (
+    ClusterError,
+    Interrupted,
+    RankFailedError,
+    RankFailure,
+    ResourceError,
+    UsageError,
+    describe_death,
+)
 from .profiles import load_profile
 from .rankenv import EnvDecision, contract_env, decide_env
 from .spec import LaunchSpec, Target
@@ -367,14 +375,4 @@ def _first_line(e: BaseException) -> str:
 
 
 def _death_summary(e: ray.exceptions.RayActorError, info: dict[str, Any]) -> str:
-    """What Ray knows of a rank process that died: killed, OOM-killed, or its node lost."""
-    text = str(e)
-    low = text.lower()
-    if "out of memory" in low or "oom" in low or "memory monitor" in low:
-        what = "its process was killed for running out of memory"
-    elif "node" in low and ("died" in low or "dead" in low) and "worker" not in low:
-        what = "its node was lost"
-    else:
-        what = "its process died"
-    detail = next((ln.strip() for ln in text.splitlines() if "exit" in ln.lower() or "signal" in ln.lower()), "")
-    return f"{what} (pid {info['pid']}){': ' + detail if detail else ''}"
+    return f"{describe_death(str(e))} (pid {info['pid']})"

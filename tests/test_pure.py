@@ -1,0 +1,242 @@
+"""Tier 1: the decisions, with no process started (no Ray, no torch.distributed)."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.cli import main
+from launcher.errors import RankFailedError, RankFailure, UsageError, describe_death
+from launcher.launch import check_target_locally
+from launcher.placement import nodes_that_fit
+from launcher.profiles import available_profiles, load_profile
+from launcher.rankenv import CONTRACT_KEYS, contract_env, decide_env, parse_env_pairs
+from launcher.spec import LaunchSpec, Target, spec_from_args
+from launcher.topology import (
+    NodeSlot,
+    assign_ranks,
+    candidate_ports,
+    format_rank_ranges,
+    order_nodes,
+    visible_devices,
+)
+
+# What torchrun exports to each worker (torch/distributed/elastic/agent/server/local_elastic_agent.py),
+# less the agent-store and error-file variables that only its own agent uses.
+TORCHRUN_KEYS = {
+    "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
+    "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
+    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+}  # fmt: skip
+
+
+# -- node order and ranks ---------------------------------------------------------------------------
+def test_ips_sort_numerically_not_as_strings():
+    nodes = [NodeSlot(0, "10.0.0.10", "a"), NodeSlot(1, "10.0.0.9", "b"), NodeSlot(2, "10.0.0.100", "c"),
+             NodeSlot(3, "9.1.1.1", "d")]
+    assert [n.node_ip for n in order_nodes(nodes)] == ["9.1.1.1", "10.0.0.9", "10.0.0.10", "10.0.0.100"]
+
+
+def test_same_ip_breaks_ties_by_node_id_and_hostnames_go_last():
+    nodes = [NodeSlot(0, "127.0.0.1", "ff"), NodeSlot(1, "node-b", "00"), NodeSlot(2, "127.0.0.1", "0a"),
+             NodeSlot(3, "::1", "11")]
+    assert [(n.node_ip, n.node_id) for n in order_nodes(nodes)] == [
+        ("127.0.0.1", "0a"), ("127.0.0.1", "ff"), ("::1", "11"), ("node-b", "00")]
+
+
+def test_ranks_are_contiguous_per_node_in_node_order():
+    slots = assign_ranks(order_nodes([NodeSlot(0, "10.0.0.2", "x"), NodeSlot(1, "10.0.0.1", "y")]), 3)
+    assert [(s.rank, s.node_rank, s.local_rank, s.group, s.bundle) for s in slots] == [
+        (0, 0, 0, 1, 0), (1, 0, 1, 1, 1), (2, 0, 2, 1, 2), (3, 1, 0, 0, 0), (4, 1, 1, 0, 1), (5, 1, 2, 0, 2)]
+    assert {s.node_ip for s in slots[:3]} == {"10.0.0.1"}
+
+
+def test_visible_devices_lets_local_rank_select_the_ray_gpu():
+    ids = [["3"], ["1"], ["6"]]  # what Ray gave the ranks of one node, by local rank
+    cvd = visible_devices(ids)
+    assert cvd == "3,1,6"
+    for local_rank, own in enumerate(ids):
+        assert cvd.split(",")[local_rank] == own[0]
+
+
+def test_visible_devices_rejects_inconsistent_assignments():
+    assert visible_devices([[], []]) == ""
+    with pytest.raises(ValueError, match="same GPU"):
+        visible_devices([["0"], ["0"]])
+    with pytest.raises(ValueError, match="expected one"):
+        visible_devices([["0", "1"]])
+    with pytest.raises(ValueError, match="1 of 2 ranks"):
+        visible_devices([["0"], []])
+
+
+def test_format_rank_ranges():
+    assert format_rank_ranges([5, 0, 1, 2, 7, 8]) == "0-2,5,7-8"
+
+
+# -- ports ----------------------------------------------------------------------------------------
+def test_port_candidates_depend_on_the_job_and_avoid_the_ephemeral_range():
+    a = list(candidate_ports("job-a", 20000, 20100, exclude=(20050, 20099)))
+    assert sorted(a) == list(range(20000, 20050))
+    assert a == list(candidate_ports("job-a", 20000, 20100, exclude=(20050, 20099)))
+    assert a != list(candidate_ports("job-b", 20000, 20100, exclude=(20050, 20099)))
+
+
+# -- env ----------------------------------------------------------------------------------------
+def _contract(rank=1, local_rank=1, node_rank=0):
+    slot = assign_ranks([NodeSlot(0, "10.0.0.1", "n0"), NodeSlot(1, "10.0.0.2", "n1")], 2)[rank]
+    return contract_env(slot, world_size=4, local_world_size=2, num_nodes=2, master_addr="10.0.0.1",
+                        master_port=29511, run_id="job", visible_devices="0,1")
+
+
+def test_contract_covers_torchrun_and_numbers_are_right():
+    env = _contract(rank=3)
+    assert TORCHRUN_KEYS <= set(env) == set(CONTRACT_KEYS)
+    assert (env["RANK"], env["LOCAL_RANK"], env["GROUP_RANK"], env["NODE_RANK"]) == ("3", "1", "1", "1")
+    assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["GROUP_WORLD_SIZE"]) == ("4", "2", "2")
+    assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.1", "29511")
+
+
+def test_env_precedence_and_every_change_of_a_node_value_is_logged():
+    d = decide_env(
+        _contract(),
+        node_env={"OMP_NUM_THREADS": "8", "NCCL_DEBUG": "INFO", "FOO": "node", "RANK": "7"},
+        profile={"NCCL_DEBUG": "WARN", "FI_PROVIDER": "efa", "BAR": "profile"},
+        profile_name="efa",
+        overrides={"FOO": "cli", "BAR": "cli"},
+    )
+    s = d.to_set
+    assert s["RANK"] == "1"  # contract wins
+    assert "OMP_NUM_THREADS" not in s  # the node's own value is kept, not replaced by our default
+    assert s["TORCH_NCCL_ASYNC_ERROR_HANDLING"] == "1"  # default where the node had none
+    assert (s["NCCL_DEBUG"], s["FI_PROVIDER"]) == ("WARN", "efa")  # profile over node
+    assert (s["FOO"], s["BAR"]) == ("cli", "cli")  # --env over node and profile
+    notes = "\n".join(d.notes)
+    for expected in ("RANK: node had '7'", "OMP_NUM_THREADS: keeping the node's '8'",
+                     "NCCL_DEBUG: profile efa sets 'WARN' over the node's 'INFO'",
+                     "FOO: --env sets 'cli' over the node's 'node'", "BAR: --env sets 'cli' over profile efa's"):
+        assert expected in notes
+
+
+def test_env_defaults_apply_when_the_node_has_nothing():
+    d = decide_env(_contract(), node_env={}, profile={}, profile_name=None, overrides={})
+    assert d.to_set["OMP_NUM_THREADS"] == "1" and d.notes == ()
+
+
+def test_env_pairs_are_checked():
+    assert parse_env_pairs(["A=1", "B=x=y", "C="]) == {"A": "1", "B": "x=y", "C": ""}
+    with pytest.raises(ValueError, match="not KEY=VALUE"):
+        parse_env_pairs(["A"])
+    with pytest.raises(ValueError, match="sets MASTER_PORT, RANK, which the launcher sets"):
+        parse_env_pairs(["RANK=0", "MASTER_PORT=1"])
+    with pytest.raises(ValueError, match="not a valid environment variable name"):
+        parse_env_pairs(["1A=0"])
+
+
+# -- profiles -----------------------------------------------------------------------------------
+def test_efa_profile_holds_the_aws_values():
+    env = load_profile("efa")
+    assert env == {
+        "FI_PROVIDER": "efa", "FI_EFA_USE_DEVICE_RDMA": "1", "FI_EFA_FORK_SAFE": "1", "NCCL_DEBUG": "WARN",
+        "NCCL_BUFFSIZE": "8388608", "NCCL_P2P_NET_CHUNKSIZE": "524288", "CUDA_DEVICE_MAX_CONNECTIONS": "1",
+        "OMP_NUM_THREADS": "1"}  # fmt: skip
+    assert {"efa", "infiniband", "tcp", "cpu"} <= set(available_profiles())
+
+
+def test_bad_profiles_say_what_to_do(tmp_path):
+    with pytest.raises(UsageError, match="unknown env profile 'nope'; choose one of cpu, efa"):
+        load_profile("nope")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("env:\n  WORLD_SIZE: 3\n")
+    with pytest.raises(UsageError, match="sets WORLD_SIZE, which the launcher sets"):
+        load_profile(str(bad))
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("description: nothing\n")
+    with pytest.raises(UsageError, match="no `env:` mapping"):
+        load_profile(str(empty))
+
+
+# -- the spec -------------------------------------------------------------------------------------
+def test_spec_from_args_reads_the_torchrun_shape(tmp_path):
+    spec = spec_from_args(["--nodes", "2", "--gpus-per-node", "8", "train.py", "--lr", "3e-4"],
+                          environ={"RAY_ADDRESS": "127.0.0.1:6379"}, cwd=str(tmp_path))
+    assert (spec.nodes, spec.gpus_per_node, spec.world_size) == (2, 8, 16)
+    assert spec.target == Target("script", "train.py", ("--lr", "3e-4"))
+    assert spec.address == "127.0.0.1:6379" and spec.job_name.startswith("megaray-")
+    ep = spec_from_args(["--entrypoint", "pkg.mod:fn", "x", "--y"], environ={})
+    assert ep.target == Target("entrypoint", "pkg.mod:fn", ("x", "--y")) and ep.address is None
+    with pytest.raises(AttributeError):
+        spec.nodes = 3  # frozen
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nodes", "0", "--dry-run"], "--nodes must be at least 1, got 0"),
+        (["--gpus-per-node", "-2", "--dry-run"], "--gpus-per-node must be at least 1, got -2"),
+        (["--placement-timeout", "0", "--dry-run"], "--placement-timeout must be above 0 seconds, got 0.0"),
+        (["--master-port", "70000", "--dry-run"], "--master-port must be within 1-65535, got 70000"),
+        (["--job-name", "a b", "--dry-run"], "--job-name 'a b' must be"),
+        (["--entrypoint", "m:f", "--dry-run"], "--dry-run runs the built-in check"),
+        (["--entrypoint", "nocolon"], "is not of the form pkg.module:function"),
+        ([], "nothing to run"),
+        (["--device", "tpu", "--dry-run"], "invalid choice: 'tpu'"),
+        (["--device", "cpu", "--cpus-per-rank", "0", "--dry-run"], "--cpus-per-rank must be above 0"),
+    ],
+)
+def test_bad_input_exits_2_with_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1
+
+
+def test_spec_validates_itself():
+    with pytest.raises(ValueError, match="--nodes must be at least 1, got -1"):
+        LaunchSpec(nodes=-1, gpus_per_node=1, target=Target("script", "x.py"), job_name="j")
+
+
+def test_missing_targets_are_caught_in_the_driver(tmp_path):
+    (tmp_path / "mod.py").write_text("def present():\n    pass\nalias = present\n")
+    check_target_locally(Target("entrypoint", "mod:present"), str(tmp_path))
+    check_target_locally(Target("entrypoint", "mod:alias"), str(tmp_path))
+    with pytest.raises(UsageError, match="defines no absent"):
+        check_target_locally(Target("entrypoint", "mod:absent"), str(tmp_path))
+    with pytest.raises(UsageError, match="no module named nosuchmod"):
+        check_target_locally(Target("entrypoint", "nosuchmod:f"), str(tmp_path))
+    with pytest.raises(UsageError, match="script nope.py not found"):
+        check_target_locally(Target("script", "nope.py"), str(tmp_path))
+
+
+def test_missing_script_exits_2_before_any_ray(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert main(["--nodes", "1", "missing.py"]) == 2
+    assert "script missing.py not found" in capsys.readouterr().err
+
+
+# -- failure reports ------------------------------------------------------------------------------
+def test_root_cause_is_the_earliest_failure_and_the_report_shows_its_traceback():
+    late = RankFailure(0, "10.0.0.1", "h0", "0", "exception", "RuntimeError: peer closed", "tb0", at=2.0)
+    first = RankFailure(5, "10.0.0.2", "h1", "1", "exception", "ValueError: bad", "Traceback...\nValueError: bad",
+                        at=1.0)
+    err = RankFailedError([late, first], world_size=8)
+    assert err.root is first
+    assert str(err) == "rank 5 on 10.0.0.2 (h1) failed: ValueError: bad"
+    report = err.report()
+    assert "rank      : 5 of 8" in report and "    ValueError: bad" in report
+    assert "rank 0 on 10.0.0.1: RuntimeError: peer closed" in report
+
+
+def test_describe_death_keeps_what_ray_knows():
+    sigkill = ("The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit "
+               "detail: Worker unexpectedly exits with a connection error code 2. End of file. Some common causes")
+    assert describe_death(sigkill) == (
+        "its process exited unexpectedly (a signal such as SIGKILL, the kernel OOM killer, or a crash); "
+        "Ray: Worker unexpectedly exits with a connection error code 2.")
+    assert describe_death("The actor died because its node has died. Node Id: ab").startswith("its node was lost")
+    assert describe_death("Task was killed due to the node running low on memory.").startswith("killed by Ray's")
+
+
+def test_nodes_that_fit_counts_whole_groups():
+    totals = {"a": {"GPU": 8, "CPU": 96}, "b": {"GPU": 4, "CPU": 96}, "c": {"CPU": 8}}
+    assert nodes_that_fit(totals, {"GPU": 1, "CPU": 1}, 8) == 1
+    assert nodes_that_fit(totals, {"GPU": 1, "CPU": 1}, 4) == 2
+    assert nodes_that_fit(totals, {"CPU": 2}, 4) == 3
