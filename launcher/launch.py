@@ -203,13 +203,15 @@ class _Job:
         spec = self.spec
         problem = placement.feasibility_problem(spec)
         if problem and self.cluster.fixed_size:
-            raise placement.resource_error(spec, 0, problem)
+            raise placement.resource_error(spec, 0, problem, placement.describe_nodes())
         if problem:
             log.warning("%s; waiting up to %gs for more nodes", problem, spec.placement_timeout_s)
+        before = placement.describe_nodes()  # what others left free, for the message if we time out
         self.groups = placement.create_groups(spec)
         placed = placement.wait_groups(self.groups, spec.placement_timeout_s)
         if placed < len(self.groups):
-            raise placement.resource_error(spec, placed, f"not placed within {spec.placement_timeout_s:g}s")
+            why = f"not placed within {spec.placement_timeout_s:g}s"
+            raise placement.resource_error(spec, placed, f"{problem}; {why}" if problem else why, before)
         self._mark("placed")
         self.slots = assign_ranks(order_nodes(placement.resolve_nodes(self.groups)), spec.gpus_per_node)
 

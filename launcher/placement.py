@@ -99,10 +99,10 @@ def resolve_nodes(groups: list[PlacementGroup]) -> list[NodeSlot]:
     return slots
 
 
-def resource_error(spec: LaunchSpec, placed: int, why: str) -> ResourceError:
+def resource_error(spec: LaunchSpec, placed: int, why: str, nodes: str) -> ResourceError:
     return ResourceError(
         f"the cluster cannot fit {describe_request(spec)}: {why} ({placed} of {spec.nodes} groups placed). "
-        f"Cluster: {describe_nodes()}. Lower --nodes / --gpus-per-node / --cpus-per-rank, free or add nodes, "
+        f"Cluster before this launch: {nodes}. Lower --nodes / --gpus-per-node / --cpus-per-rank, free or add nodes, "
         "or wait longer with --placement-timeout"
     )
 

@@ -1,0 +1,80 @@
+"""Programs the tests launch on every rank. Each writes what it saw to $MEGARAY_TEST_OUT."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+SEEN = (
+    "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "NODE_RANK",
+    "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING", "CUDA_VISIBLE_DEVICES", "FI_PROVIDER", "NCCL_DEBUG", "NCCL_BUFFSIZE",
+    "MEGARAY_TEST_FLAG",
+)  # fmt: skip
+
+
+def _out(name: str) -> Path:
+    out = Path(os.environ["MEGARAY_TEST_OUT"])
+    out.mkdir(parents=True, exist_ok=True)
+    return out / f"{name}-rank{os.environ['RANK']}.json"
+
+
+def _write(name: str, data: dict) -> None:
+    path = _out(name)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data))
+    tmp.rename(path)
+
+
+def dump_env():
+    """Record the env contract, what Ray assigned, and that torch was not imported before us."""
+    import ray
+
+    _write(
+        "env",
+        {
+            "env": {k: os.environ.get(k) for k in SEEN},
+            "ray_gpu_ids": [str(g) for g in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])],
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "argv": sys.argv,
+            "torch_preloaded": "torch" in sys.modules,
+            "pid": os.getpid(),
+        },
+    )
+    return int(os.environ["RANK"])
+
+
+def gloo_allreduce():
+    """A real torchrun-style program: join the group from env://, all-reduce the ranks."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t)
+    dist.barrier()
+    dist.destroy_process_group()
+    _write("allreduce", {"sum": t.item(), "port": os.environ["MASTER_PORT"]})
+    return t.item()
+
+
+def fail_on_rank_1():
+    if os.environ["RANK"] == "1":
+        raise ValueError("rank one refuses on purpose")
+    time.sleep(60)
+
+
+def exit_3_on_rank_0():
+    if os.environ["RANK"] == "0":
+        sys.exit(3)
+    time.sleep(60)
+
+
+def wait_forever():
+    """Report the pid and block: the test kills or interrupts from outside."""
+    _write("pid", {"pid": os.getpid()})
+    time.sleep(600)

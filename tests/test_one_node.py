@@ -1,0 +1,150 @@
+"""Tier 2: one Ray node started in this process, ranks over gloo, `main()` called in-process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import ray
+
+from launcher.cli import main
+
+from .conftest import REPO, leftovers, read_ranks
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_node():
+    os.chdir(REPO)  # entrypoints resolve from the working directory, as torchrun's scripts do
+    ray.init(num_cpus=4, num_gpus=2, namespace="megaray", include_dashboard=True)
+    yield
+    ray.shutdown()
+
+
+def launch(job, *args, out=None):
+    env = ["--env", f"MEGARAY_TEST_OUT={out}"] if out else []
+    return main(["--job-name", job, "--placement-timeout", "20", *env, *args])
+
+
+def test_two_cpu_ranks_get_the_torchrun_contract_and_all_reduce(out, capsys):
+    assert launch("envcpu", "--device", "cpu", "--nodes", "1", "--gpus-per-node", "2",
+                  "--entrypoint", "tests.targets:dump_env", "a", "--b", out=out) == 0
+    seen = read_ranks(out, "env", 2)
+    for rank, s in enumerate(seen):
+        e = s["env"]
+        assert (e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) == (str(rank), str(rank), "2", "2")
+        assert (e["GROUP_RANK"], e["NODE_RANK"], e["GROUP_WORLD_SIZE"], e["ROLE_NAME"]) == ("0", "0", "1", "default")
+        assert e["TORCHELASTIC_RUN_ID"] == "envcpu" and e["TORCHELASTIC_RESTART_COUNT"] == "0"
+        assert (e["OMP_NUM_THREADS"], e["TORCH_NCCL_ASYNC_ERROR_HANDLING"]) == ("1", "1")
+        assert e["CUDA_VISIBLE_DEVICES"] == ""  # CPU mode: no GPU is visible to the program
+        assert s["argv"] == ["tests.targets", "a", "--b"]
+        assert not s["torch_preloaded"]
+    assert seen[0]["env"]["MASTER_ADDR"] == seen[1]["env"]["MASTER_ADDR"]
+    port = int(seen[0]["env"]["MASTER_PORT"])
+    assert 20000 <= port < 30000 and seen[1]["env"]["MASTER_PORT"] == str(port)
+    err = capsys.readouterr().err
+    assert "topology (MASTER_ADDR=" in err and "all 2 ranks finished" in err
+    assert leftovers("envcpu") == ([], [])
+
+    assert launch("gloo", "--device", "cpu", "--gpus-per-node", "2", "--entrypoint",
+                  "tests.targets:gloo_allreduce", out=out) == 0
+    assert [r["sum"] for r in read_ranks(out, "allreduce", 2)] == [1.0, 1.0]
+
+
+def test_declared_gpus_map_local_rank_to_the_ray_gpu(out):
+    assert launch("envgpu", "--gpus-per-node", "2", "--entrypoint", "tests.targets:dump_env", out=out) == 0
+    seen = read_ranks(out, "env", 2)
+    assert sorted(g for s in seen for g in s["ray_gpu_ids"]) == ["0", "1"]
+    for s in seen:
+        visible = s["env"]["CUDA_VISIBLE_DEVICES"].split(",")
+        assert visible[int(s["env"]["LOCAL_RANK"])] == s["ray_gpu_ids"][0]
+    assert seen[0]["env"]["CUDA_VISIBLE_DEVICES"] == seen[1]["env"]["CUDA_VISIBLE_DEVICES"]
+
+
+def test_script_runs_as_main_with_argv_and_profile_and_env_reach_every_rank(out, tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        "import json, os, sys\n"
+        "assert __name__ == '__main__'\n"
+        f"open(os.path.join({str(out)!r}, 'script-' + os.environ['RANK']), 'w').write(json.dumps(\n"
+        "    {'argv': sys.argv, 'fi': os.environ.get('FI_PROVIDER'), 'flag': os.environ.get('MEGARAY_TEST_FLAG'),\n"
+        "     'buff': os.environ.get('NCCL_BUFFSIZE')}))\n"
+    )
+    out.mkdir(parents=True)
+    assert launch("script", "--device", "cpu", "--gpus-per-node", "2", "--env-profile", "efa",
+                  "--env", "MEGARAY_TEST_FLAG=on", "--env", "NCCL_BUFFSIZE=1024", str(script), "--lr", "3e-4") == 0
+    for rank in range(2):
+        got = json.loads((out / f"script-{rank}").read_text())
+        assert got == {"argv": [str(script), "--lr", "3e-4"], "fi": "efa", "flag": "on", "buff": "1024"}
+
+
+def test_a_rank_that_raises_fails_the_job_naming_it(capsys):
+    t0 = time.monotonic()
+    assert launch("raises", "--device", "cpu", "--gpus-per-node", "2",
+                  "--entrypoint", "tests.targets:fail_on_rank_1") == 1
+    assert time.monotonic() - t0 < 30  # the other rank sleeps 60 s: it was stopped, not waited for
+    err = capsys.readouterr().err
+    assert "Root cause (first failure):" in err
+    assert "rank      : 1 of 2" in err
+    assert "ValueError: rank one refuses on purpose" in err
+    assert 'targets.py", line' in err  # the rank's own traceback
+    assert leftovers("raises") == ([], [])
+
+
+def test_sys_exit_code_is_reported(capsys):
+    assert launch("exits", "--device", "cpu", "--gpus-per-node", "2",
+                  "--entrypoint", "tests.targets:exit_3_on_rank_0") == 1
+    err = capsys.readouterr().err
+    assert "rank      : 0 of 2" in err and "exit code : 3" in err
+    assert leftovers("exits") == ([], [])
+
+
+def test_a_killed_rank_takes_the_job_down_fast(out, capsys):
+    killed_at = {}
+
+    def kill_rank_1():
+        pid_file = out / "pid-rank1.json"
+        deadline = time.monotonic() + 60
+        while not pid_file.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        killed_at["t"] = time.monotonic()
+        os.kill(json.loads(pid_file.read_text())["pid"], signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_rank_1, daemon=True)
+    killer.start()
+    code = launch("sigkill", "--device", "cpu", "--gpus-per-node", "2",
+                  "--entrypoint", "tests.targets:wait_forever", out=out)
+    returned_after = time.monotonic() - killed_at["t"]
+    assert code == 1
+    assert returned_after < 5, f"the launcher took {returned_after:.1f}s to notice and tear down"
+    err = capsys.readouterr().err
+    assert "rank      : 1 of 2" in err and "its process exited unexpectedly" in err
+    assert leftovers("sigkill") == ([], [])
+
+
+def test_a_request_larger_than_the_cluster_exits_2_within_the_timeout(capsys):
+    t0 = time.monotonic()
+    assert main(["--job-name", "toobig", "--placement-timeout", "2", "--nodes", "2", "--gpus-per-node", "2",
+                 "--entrypoint", "tests.targets:dump_env"]) == 2
+    assert time.monotonic() - t0 < 15
+    err = capsys.readouterr().err
+    assert "the cluster cannot fit 2 node(s) x 2 GPUs" in err
+    assert "only 1 node(s) of the cluster can hold one group" in err
+    assert "GPU 2/2 free" in err and "--placement-timeout" in err
+    assert leftovers("toobig") == ([], [])
+
+
+def test_a_busy_master_port_exits_2(capsys):
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("0.0.0.0", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert launch("busyport", "--device", "cpu", "--master-port", str(port),
+                      "--entrypoint", "tests.targets:dump_env") == 2
+    assert f"--master-port {port} is in use on the master node" in capsys.readouterr().err
+    assert leftovers("busyport") == ([], [])
