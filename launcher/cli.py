@@ -47,9 +47,12 @@ def main(argv: list[str] | None = None) -> int:
         if spec.dry_run:
             views = result.returns
             log.info(
-                "dry run passed: %d ranks on %d node(s) joined %s over gloo, all-reduce gave %d on every rank, "
-                "LOCAL_RANK unique per node",
-                result.world_size, spec.nodes, views[0]["master"], views[0]["all_reduce"],
+                "dry run passed: %d ranks on %d node(s) joined %s over gloo, all-reduce gave %d on "
+                "every rank, LOCAL_RANK unique per node",
+                result.world_size,
+                spec.nodes,
+                views[0]["master"],
+                views[0]["all_reduce"],
             )
     except RankFailedError as e:
         print(e.report(), file=sys.stderr, flush=True)

@@ -102,7 +102,9 @@ def _simulate(spec: LaunchSpec):
         "num_gpus": spec.gpus_per_node if spec.uses_gpus else 0,
     }
     log.info(
-        "simulating %d node(s) x %d %s on this machine", spec.nodes, spec.gpus_per_node,
+        "simulating %d node(s) x %d %s on this machine",
+        spec.nodes,
+        spec.gpus_per_node,
         "declared GPUs" if spec.uses_gpus else "CPU ranks",
     )
     sim = RayCluster(initialize_head=True, head_node_args={**per_node, "include_dashboard": False})

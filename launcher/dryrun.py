@@ -61,4 +61,6 @@ def _check_views(views: list[dict[str, Any]]) -> None:
         per_node.setdefault(v["node_rank"], []).append(v["local_rank"])
     for node, locals_ in per_node.items():
         if sorted(locals_) != list(range(len(locals_))):
-            raise RuntimeError(f"node {node} has LOCAL_RANK values {sorted(locals_)}, expected 0..{len(locals_) - 1}")
+            raise RuntimeError(
+                f"node {node} has LOCAL_RANK values {sorted(locals_)}, expected 0..{len(locals_) - 1}"
+            )

@@ -72,8 +72,11 @@ def launch(spec: LaunchSpec) -> LaunchResult:
     """Run `spec` on the cluster and return when every rank has finished; raises MegarayError."""
     check_target_locally(spec.target, spec.cwd)
     profile = load_profile(spec.env_profile) if spec.env_profile else {}
-    with _signals_raise(), connect(spec) as cluster:
-        job = _Job(spec, cluster, profile)
+    stop = _StopSignal()
+    # After connecting: ray.init installs its own fatal-signal handler for SIGTERM, which would
+    # end the driver without teardown.
+    with connect(spec) as cluster, stop.installed():
+        job = _Job(spec, cluster, profile, stop)
         try:
             return job.execute()
         finally:
@@ -89,7 +92,9 @@ def check_target_locally(target: Target, cwd: str) -> None:
     if target.kind == "script":
         path = os.path.join(cwd, target.name)
         if not os.path.isfile(path):
-            raise UsageError(f"script {target.name} not found (looked in {cwd}); give the path of a Python file")
+            raise UsageError(
+                f"script {target.name} not found (looked in {cwd}); give the path of a Python file"
+            )
         return
     if target.kind not in ("module", "entrypoint"):
         return
@@ -119,7 +124,8 @@ def check_target_locally(target: Target, cwd: str) -> None:
 def _top_level_names(path: str) -> set[str] | None:
     """Names bound at module level, or None when they cannot be known statically (star imports)."""
     try:
-        tree = ast.parse(open(path, encoding="utf-8").read(), filename=path)
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
     except (OSError, SyntaxError, ValueError):
         return None
     names: set[str] = set()
@@ -140,27 +146,56 @@ def _top_level_names(path: str) -> set[str] | None:
     return names
 
 
-@contextlib.contextmanager
-def _signals_raise() -> Iterator[None]:
-    """SIGINT and SIGTERM become `Interrupted` in the driver, so teardown runs on both."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+class _StopSignal:
+    """SIGINT/SIGTERM in the driver: remembered by the handler, acted on by the wait loops.
 
-    def handler(signum, _frame):
-        raise Interrupted(signum, signal.Signals(signum).name)
+    Raising from the handler would unwind through Ray's C++ wait and surface as a SystemError; the
+    loops wait in short slices and call `check()`, which raises `Interrupted` so teardown runs.
+    """
 
-    old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+    def __init__(self):
+        self.signum: int | None = None
+
+    def check(self) -> None:
+        if self.signum is not None:
+            raise Interrupted(self.signum, signal.Signals(self.signum).name)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, _frame):
+            if self.signum is not None:  # a second signal while stopping: stop waiting for anything
+                raise Interrupted(signum, signal.Signals(signum).name)
+            self.signum = signum
+
+        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+
+def wait_all(refs: list, timeout_s: float, stop: _StopSignal, num_returns: int | None = None) -> list:
+    """`ray.wait` for `num_returns` (default all) refs, in slices so a stop signal is seen quickly."""
+    want = len(refs) if num_returns is None else num_returns
+    deadline = time.monotonic() + timeout_s
+    ready: list = []
+    while True:
+        stop.check()
+        left = deadline - time.monotonic()
+        if len(ready) >= want or left <= 0:
+            return ready
+        ready, _ = ray.wait(refs, num_returns=want, timeout=min(left, 0.25))
 
 
 class _Job:
-    def __init__(self, spec: LaunchSpec, cluster: Cluster, profile: dict[str, str]):
+    def __init__(self, spec: LaunchSpec, cluster: Cluster, profile: dict[str, str], stop: _StopSignal):
         self.spec = spec
+        self.stop = stop
         self.cluster = cluster
         self.profile = profile
         self.groups: list = []
@@ -179,7 +214,11 @@ class _Job:
         spec = self.spec
         log.info(
             "job %s: %d node(s) x %d rank(s) = %d, target: %s",
-            spec.job_name, spec.nodes, spec.gpus_per_node, spec.world_size, spec.target.describe(),
+            spec.job_name,
+            spec.nodes,
+            spec.gpus_per_node,
+            spec.world_size,
+            spec.target.describe(),
         )
         self._place()
         infos = self._start_actors()
@@ -189,7 +228,9 @@ class _Job:
         ray.get([a.setup.remote(d.to_set) for a, d in zip(self.actors, decisions, strict=True)])
         self._mark("env_set")
         ranks = tuple(
-            RankInfo(s.rank, s.local_rank, s.node_rank, s.node_ip, i["hostname"], ",".join(i["gpu_ids"]), i["pid"])
+            RankInfo(
+                s.rank, s.local_rank, s.node_rank, s.node_ip, i["hostname"], ",".join(i["gpu_ids"]), i["pid"]
+            )
             for s, i in zip(self.slots, infos, strict=True)
         )
         self._log_topology(ranks, master_addr, master_port)
@@ -197,7 +238,9 @@ class _Job:
         returns = self._supervise(infos)
         self._mark("finished")
         log.info("all %d ranks finished in %.1f s", spec.world_size, self.timings["finished"])
-        return LaunchResult(spec.job_name, spec.world_size, master_addr, master_port, ranks, returns, self.timings)
+        return LaunchResult(
+            spec.job_name, spec.world_size, master_addr, master_port, ranks, returns, self.timings
+        )
 
     def _place(self) -> None:
         spec = self.spec
@@ -208,7 +251,7 @@ class _Job:
             log.warning("%s; waiting up to %gs for more nodes", problem, spec.placement_timeout_s)
         before = placement.describe_nodes()  # what others left free, for the message if we time out
         self.groups = placement.create_groups(spec)
-        placed = placement.wait_groups(self.groups, spec.placement_timeout_s)
+        placed = len(wait_all([g.ready() for g in self.groups], spec.placement_timeout_s, self.stop))
         if placed < len(self.groups):
             why = f"not placed within {spec.placement_timeout_s:g}s"
             raise placement.resource_error(spec, placed, f"{problem}; {why}" if problem else why, before)
@@ -232,7 +275,7 @@ class _Job:
                 ).remote(spec.job_name, s.rank, s.node_ip)
             )
         refs = [a.info.remote() for a in self.actors]
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=ACTOR_START_TIMEOUT_S)
+        ready = wait_all(refs, ACTOR_START_TIMEOUT_S, self.stop)
         if len(ready) < len(refs):
             raise ResourceError(
                 f"{len(refs) - len(ready)} of {len(refs)} rank actors did not start within "
@@ -266,7 +309,9 @@ class _Job:
         self.port_reserved = (master_addr, port)
         return port
 
-    def _decide_envs(self, infos: list[dict[str, Any]], master_addr: str, master_port: int) -> list[EnvDecision]:
+    def _decide_envs(
+        self, infos: list[dict[str, Any]], master_addr: str, master_port: int
+    ) -> list[EnvDecision]:
         spec = self.spec
         by_node: dict[int, list[list[str]]] = {}
         for s, i in zip(self.slots, infos, strict=True):
@@ -305,7 +350,8 @@ class _Job:
         failures: list[RankFailure] = []
         pending = list(self.run_refs)
         while pending:
-            done, pending = ray.wait(pending, num_returns=1, timeout=0.5)
+            self.stop.check()
+            done, pending = ray.wait(pending, num_returns=1, timeout=0.25)
             if not done:
                 continue
             for ref in done:
@@ -321,33 +367,64 @@ class _Job:
 
     def _collect(self, ref, rank: int, infos, returns: list, failures: list[RankFailure]) -> bool:
         info = infos[rank]
-        where = {"rank": rank, "node_ip": info["node_ip"], "hostname": info["hostname"],
-                 "gpu": ",".join(info["gpu_ids"])}
+        where = {
+            "rank": rank,
+            "node_ip": info["node_ip"],
+            "hostname": info["hostname"],
+            "gpu": ",".join(info["gpu_ids"]),
+        }
         try:
             out = ray.get(ref)
         except ray.exceptions.RayActorError as e:
-            failures.append(RankFailure(**where, kind="died", summary=_death_summary(e, info), at=time.time()))
+            failures.append(
+                RankFailure(**where, kind="died", summary=_death_summary(e, info), at=time.time())
+            )
             return False
         except ray.exceptions.RayError as e:
-            failures.append(RankFailure(**where, kind="exception", summary=_first_line(e), traceback=str(e),
-                                        at=time.time()))
+            failures.append(
+                RankFailure(
+                    **where, kind="exception", summary=_first_line(e), traceback=str(e), at=time.time()
+                )
+            )
             return False
         if out["ok"]:
             returns[rank] = out["value"]
             return True
-        failures.append(RankFailure(**where, kind=out["kind"], summary=out["summary"], traceback=out["traceback"],
-                                    exit_code=out["exit_code"], at=out["at"]))
+        failures.append(
+            RankFailure(
+                **where,
+                kind=out["kind"],
+                summary=out["summary"],
+                traceback=out["traceback"],
+                exit_code=out["exit_code"],
+                at=out["at"],
+            )
+        )
         return False
 
     # -- logging -------------------------------------------------------------------------------
     def _log_topology(self, ranks: tuple[RankInfo, ...], master_addr: str, master_port: int) -> None:
         rows = [("rank", "node", "ip", "host", "local_rank", "gpu", "pid")]
-        rows += [(str(r.rank), str(r.node_rank), r.node_ip, r.hostname, str(r.local_rank), r.gpu or "-", str(r.pid))
-                 for r in ranks]
+        rows += [
+            (
+                str(r.rank),
+                str(r.node_rank),
+                r.node_ip,
+                r.hostname,
+                str(r.local_rank),
+                r.gpu or "-",
+                str(r.pid),
+            )
+            for r in ranks
+        ]
         widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
         lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in rows]
-        log.info("topology (MASTER_ADDR=%s MASTER_PORT=%d):\n%s", master_addr, master_port,
-                 "\n".join("  " + ln for ln in lines))
+        log.info(
+            "topology (MASTER_ADDR=%s MASTER_PORT=%d):\n%s",
+            master_addr,
+            master_port,
+            "\n".join("  " + ln for ln in lines),
+        )
 
     def _log_env(self, decisions: list[EnvDecision]) -> None:
         first = decisions[0].to_set

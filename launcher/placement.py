@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-import time
+import contextlib
 from collections.abc import Mapping
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, placement_group_table, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 
 from .errors import ResourceError
 from .spec import LaunchSpec
@@ -61,27 +66,13 @@ def create_groups(spec: LaunchSpec) -> list[PlacementGroup]:
     """All groups are requested before any is waited on, so they are scheduled together."""
     bundle = bundle_for(spec)
     return [
-        placement_group([dict(bundle) for _ in range(spec.gpus_per_node)], strategy="STRICT_PACK",
-                        name=f"{spec.job_name}-node{i}")
+        placement_group(
+            [dict(bundle) for _ in range(spec.gpus_per_node)],
+            strategy="STRICT_PACK",
+            name=f"{spec.job_name}-node{i}",
+        )
         for i in range(spec.nodes)
     ]
-
-
-def wait_groups(groups: list[PlacementGroup], timeout_s: float) -> int:
-    """Wait until every group is placed or the timeout passes; returns how many were placed.
-
-    `ready()` is a GCS call, not a task, so waiting costs no worker process. Short slices keep
-    Ctrl-C responsive.
-    """
-    refs = [g.ready() for g in groups]
-    deadline = time.monotonic() + timeout_s
-    ready: list = []
-    while len(ready) < len(refs):
-        left = deadline - time.monotonic()
-        if left <= 0:
-            break
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=min(left, 0.5))
-    return len(ready)
 
 
 def resolve_nodes(groups: list[PlacementGroup]) -> list[NodeSlot]:
@@ -93,8 +84,12 @@ def resolve_nodes(groups: list[PlacementGroup]) -> list[NodeSlot]:
         node_id = table["bundles_to_node_id"][0]
         node = nodes[node_id]
         slots.append(
-            NodeSlot(group=i, node_ip=node["NodeManagerAddress"], node_id=node_id,
-                     hostname=node.get("NodeManagerHostname", ""))
+            NodeSlot(
+                group=i,
+                node_ip=node["NodeManagerAddress"],
+                node_id=node_id,
+                hostname=node.get("NodeManagerHostname", ""),
+            )
         )
     return slots
 
@@ -102,14 +97,12 @@ def resolve_nodes(groups: list[PlacementGroup]) -> list[NodeSlot]:
 def resource_error(spec: LaunchSpec, placed: int, why: str, nodes: str) -> ResourceError:
     return ResourceError(
         f"the cluster cannot fit {describe_request(spec)}: {why} ({placed} of {spec.nodes} groups placed). "
-        f"Cluster before this launch: {nodes}. Lower --nodes / --gpus-per-node / --cpus-per-rank, free or add nodes, "
-        "or wait longer with --placement-timeout"
+        f"Cluster before this launch: {nodes}. Lower --nodes / --gpus-per-node / --cpus-per-rank, "
+        "free or add nodes, or wait longer with --placement-timeout"
     )
 
 
 def remove_groups(groups: list[PlacementGroup]) -> None:
     for g in groups:
-        try:
+        with contextlib.suppress(Exception):  # already removed, or the cluster is gone
             remove_placement_group(g)
-        except Exception:  # already removed, or the cluster is gone: nothing left to free
-            pass

@@ -8,6 +8,8 @@ killed outright leaves one key behind, which only makes that one port skipped la
 
 from __future__ import annotations
 
+import contextlib
+
 from ray.experimental import internal_kv
 
 KV_NAMESPACE = "megaray"
@@ -20,14 +22,14 @@ def _key(node_ip: str, port: int) -> str:
 def reserve(node_ip: str, candidates: list[int], job: str) -> int | None:
     """The first candidate no other job has reserved on this node, now reserved for `job`."""
     for port in candidates:
-        existed = internal_kv._internal_kv_put(_key(node_ip, port), job, overwrite=False, namespace=KV_NAMESPACE)
+        existed = internal_kv._internal_kv_put(
+            _key(node_ip, port), job, overwrite=False, namespace=KV_NAMESPACE
+        )
         if not existed:
             return port
     return None
 
 
 def release(node_ip: str, port: int) -> None:
-    try:
+    with contextlib.suppress(Exception):  # the cluster is gone: nothing to release
         internal_kv._internal_kv_del(_key(node_ip, port), namespace=KV_NAMESPACE)
-    except Exception:  # the cluster is gone: nothing to release
-        pass

@@ -98,7 +98,11 @@ def check_user_env(env: Mapping[str, str], source: str) -> None:
             f"remove {'it' if len(clash) == 1 else 'them'} from {source}"
         )
     for key in env:
-        if not key or not (key[0].isalpha() or key[0] == "_") or not all(c.isalnum() or c == "_" for c in key):
+        if (
+            not key
+            or not (key[0].isalpha() or key[0] == "_")
+            or not all(c.isalnum() or c == "_" for c in key)
+        ):
             raise ValueError(f"{source}: {key!r} is not a valid environment variable name")
 
 

@@ -86,7 +86,9 @@ class LaunchSpec:
                 "starting with a letter or digit"
             )
         if self.dry_run != (self.target.kind == "dryrun"):
-            raise ValueError("--dry-run runs the built-in check: drop the script or --entrypoint, or --dry-run")
+            raise ValueError(
+                "--dry-run runs the built-in check: drop the script or --entrypoint, or --dry-run"
+            )
 
     @property
     def world_size(self) -> int:
@@ -145,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=DEFAULT_PLACEMENT_TIMEOUT_S,
         help=f"seconds to wait for the cluster to fit the layout (default {DEFAULT_PLACEMENT_TIMEOUT_S:g})",
     )
-    p.add_argument("--master-port", type=int, help="rendezvous port (default: a free port on the master node)")
+    p.add_argument(
+        "--master-port", type=int, help="rendezvous port (default: a free port on the master node)"
+    )
     p.add_argument("--env-profile", help="network/NCCL env profile: a name under env/ or a YAML path")
     p.add_argument(
         "--env", action="append", default=[], metavar="KEY=VALUE", help="set a variable in every rank"
@@ -175,7 +179,9 @@ def spec_from_args(
         elif args.target:
             target = Target("script", args.target, tuple(args.target_args))
         else:
-            raise UsageError("nothing to run: give a script, --entrypoint pkg.module:function, -m module, or --dry-run")
+            raise UsageError(
+                "nothing to run: give a script, --entrypoint pkg.module:function, -m module, or --dry-run"
+            )
         env = parse_env_pairs(args.env)
         return LaunchSpec(
             nodes=args.nodes,

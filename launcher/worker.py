@@ -147,9 +147,7 @@ def _failure(kind: str, summary: str, exc: BaseException, exit_code: int | None 
 def user_traceback(exc: BaseException) -> str:
     """The traceback from the target's first frame on: this module's and runpy's frames are noise."""
     tb = exc.__traceback__
-    while tb is not None and (
-        tb.tb_frame.f_code.co_filename in (_THIS_FILE, runpy.__file__)
-    ):
+    while tb is not None and (tb.tb_frame.f_code.co_filename in (_THIS_FILE, runpy.__file__)):
         if tb.tb_next is None:
             break
         tb = tb.tb_next

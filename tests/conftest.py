@@ -8,7 +8,7 @@ from pathlib import Path
 # Ray reads this when imported; the launcher sets it too, but tests import ray first.
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
-import pytest  # noqa: E402
+import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -20,10 +20,16 @@ def leftovers(job: str, wait_s: float = 10.0) -> tuple[list[str], list[str]]:
 
     deadline = time.monotonic() + wait_s
     while True:
-        actors = [a.name for a in list_actors(filters=[("state", "!=", "DEAD")], limit=10000)
-                  if (a.name or "").startswith(job + "-")]
-        groups = [g["name"] for g in ray.util.placement_group_table().values()
-                  if g["name"].startswith(job + "-") and g["state"] != "REMOVED"]
+        actors = [
+            a.name
+            for a in list_actors(filters=[("state", "!=", "DEAD")], limit=10000)
+            if (a.name or "").startswith(job + "-")
+        ]
+        groups = [
+            g["name"]
+            for g in ray.util.placement_group_table().values()
+            if g["name"].startswith(job + "-") and g["state"] != "REMOVED"
+        ]
         if (not actors and not groups) or time.monotonic() > deadline:
             return actors, groups
         time.sleep(0.2)

@@ -30,13 +30,38 @@ def launch(job, *args, out=None):
 
 
 def test_two_cpu_ranks_get_the_torchrun_contract_and_all_reduce(out, capsys):
-    assert launch("envcpu", "--device", "cpu", "--nodes", "1", "--gpus-per-node", "2",
-                  "--entrypoint", "tests.targets:dump_env", "a", "--b", out=out) == 0
+    assert (
+        launch(
+            "envcpu",
+            "--device",
+            "cpu",
+            "--nodes",
+            "1",
+            "--gpus-per-node",
+            "2",
+            "--entrypoint",
+            "tests.targets:dump_env",
+            "a",
+            "--b",
+            out=out,
+        )
+        == 0
+    )
     seen = read_ranks(out, "env", 2)
     for rank, s in enumerate(seen):
         e = s["env"]
-        assert (e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) == (str(rank), str(rank), "2", "2")
-        assert (e["GROUP_RANK"], e["NODE_RANK"], e["GROUP_WORLD_SIZE"], e["ROLE_NAME"]) == ("0", "0", "1", "default")
+        assert (e["RANK"], e["LOCAL_RANK"], e["WORLD_SIZE"], e["LOCAL_WORLD_SIZE"]) == (
+            str(rank),
+            str(rank),
+            "2",
+            "2",
+        )
+        assert (e["GROUP_RANK"], e["NODE_RANK"], e["GROUP_WORLD_SIZE"], e["ROLE_NAME"]) == (
+            "0",
+            "0",
+            "1",
+            "default",
+        )
         assert e["TORCHELASTIC_RUN_ID"] == "envcpu" and e["TORCHELASTIC_RESTART_COUNT"] == "0"
         assert (e["OMP_NUM_THREADS"], e["TORCH_NCCL_ASYNC_ERROR_HANDLING"]) == ("1", "1")
         assert e["CUDA_VISIBLE_DEVICES"] == ""  # CPU mode: no GPU is visible to the program
@@ -49,8 +74,19 @@ def test_two_cpu_ranks_get_the_torchrun_contract_and_all_reduce(out, capsys):
     assert "topology (MASTER_ADDR=" in err and "all 2 ranks finished" in err
     assert leftovers("envcpu") == ([], [])
 
-    assert launch("gloo", "--device", "cpu", "--gpus-per-node", "2", "--entrypoint",
-                  "tests.targets:gloo_allreduce", out=out) == 0
+    assert (
+        launch(
+            "gloo",
+            "--device",
+            "cpu",
+            "--gpus-per-node",
+            "2",
+            "--entrypoint",
+            "tests.targets:gloo_allreduce",
+            out=out,
+        )
+        == 0
+    )
     assert [r["sum"] for r in read_ranks(out, "allreduce", 2)] == [1.0, 1.0]
 
 
@@ -70,12 +106,29 @@ def test_script_runs_as_main_with_argv_and_profile_and_env_reach_every_rank(out,
         "import json, os, sys\n"
         "assert __name__ == '__main__'\n"
         f"open(os.path.join({str(out)!r}, 'script-' + os.environ['RANK']), 'w').write(json.dumps(\n"
-        "    {'argv': sys.argv, 'fi': os.environ.get('FI_PROVIDER'), 'flag': os.environ.get('MEGARAY_TEST_FLAG'),\n"
-        "     'buff': os.environ.get('NCCL_BUFFSIZE')}))\n"
+        "    {'argv': sys.argv, 'fi': os.environ.get('FI_PROVIDER'),\n"
+        "     'flag': os.environ.get('MEGARAY_TEST_FLAG'), 'buff': os.environ.get('NCCL_BUFFSIZE')}))\n"
     )
     out.mkdir(parents=True)
-    assert launch("script", "--device", "cpu", "--gpus-per-node", "2", "--env-profile", "efa",
-                  "--env", "MEGARAY_TEST_FLAG=on", "--env", "NCCL_BUFFSIZE=1024", str(script), "--lr", "3e-4") == 0
+    assert (
+        launch(
+            "script",
+            "--device",
+            "cpu",
+            "--gpus-per-node",
+            "2",
+            "--env-profile",
+            "efa",
+            "--env",
+            "MEGARAY_TEST_FLAG=on",
+            "--env",
+            "NCCL_BUFFSIZE=1024",
+            str(script),
+            "--lr",
+            "3e-4",
+        )
+        == 0
+    )
     for rank in range(2):
         got = json.loads((out / f"script-{rank}").read_text())
         assert got == {"argv": [str(script), "--lr", "3e-4"], "fi": "efa", "flag": "on", "buff": "1024"}
@@ -83,8 +136,18 @@ def test_script_runs_as_main_with_argv_and_profile_and_env_reach_every_rank(out,
 
 def test_a_rank_that_raises_fails_the_job_naming_it(capsys):
     t0 = time.monotonic()
-    assert launch("raises", "--device", "cpu", "--gpus-per-node", "2",
-                  "--entrypoint", "tests.targets:fail_on_rank_1") == 1
+    assert (
+        launch(
+            "raises",
+            "--device",
+            "cpu",
+            "--gpus-per-node",
+            "2",
+            "--entrypoint",
+            "tests.targets:fail_on_rank_1",
+        )
+        == 1
+    )
     assert time.monotonic() - t0 < 30  # the other rank sleeps 60 s: it was stopped, not waited for
     err = capsys.readouterr().err
     assert "Root cause (first failure):" in err
@@ -95,8 +158,18 @@ def test_a_rank_that_raises_fails_the_job_naming_it(capsys):
 
 
 def test_sys_exit_code_is_reported(capsys):
-    assert launch("exits", "--device", "cpu", "--gpus-per-node", "2",
-                  "--entrypoint", "tests.targets:exit_3_on_rank_0") == 1
+    assert (
+        launch(
+            "exits",
+            "--device",
+            "cpu",
+            "--gpus-per-node",
+            "2",
+            "--entrypoint",
+            "tests.targets:exit_3_on_rank_0",
+        )
+        == 1
+    )
     err = capsys.readouterr().err
     assert "rank      : 0 of 2" in err and "exit code : 3" in err
     assert leftovers("exits") == ([], [])
@@ -115,8 +188,16 @@ def test_a_killed_rank_takes_the_job_down_fast(out, capsys):
 
     killer = threading.Thread(target=kill_rank_1, daemon=True)
     killer.start()
-    code = launch("sigkill", "--device", "cpu", "--gpus-per-node", "2",
-                  "--entrypoint", "tests.targets:wait_forever", out=out)
+    code = launch(
+        "sigkill",
+        "--device",
+        "cpu",
+        "--gpus-per-node",
+        "2",
+        "--entrypoint",
+        "tests.targets:wait_forever",
+        out=out,
+    )
     returned_after = time.monotonic() - killed_at["t"]
     assert code == 1
     assert returned_after < 5, f"the launcher took {returned_after:.1f}s to notice and tear down"
@@ -127,8 +208,23 @@ def test_a_killed_rank_takes_the_job_down_fast(out, capsys):
 
 def test_a_request_larger_than_the_cluster_exits_2_within_the_timeout(capsys):
     t0 = time.monotonic()
-    assert main(["--job-name", "toobig", "--placement-timeout", "2", "--nodes", "2", "--gpus-per-node", "2",
-                 "--entrypoint", "tests.targets:dump_env"]) == 2
+    assert (
+        main(
+            [
+                "--job-name",
+                "toobig",
+                "--placement-timeout",
+                "2",
+                "--nodes",
+                "2",
+                "--gpus-per-node",
+                "2",
+                "--entrypoint",
+                "tests.targets:dump_env",
+            ]
+        )
+        == 2
+    )
     assert time.monotonic() - t0 < 15
     err = capsys.readouterr().err
     assert "the cluster cannot fit 2 node(s) x 2 GPUs" in err
@@ -144,7 +240,27 @@ def test_a_busy_master_port_exits_2(capsys):
         s.bind(("0.0.0.0", 0))
         s.listen()
         port = s.getsockname()[1]
-        assert launch("busyport", "--device", "cpu", "--master-port", str(port),
-                      "--entrypoint", "tests.targets:dump_env") == 2
+        assert (
+            launch(
+                "busyport",
+                "--device",
+                "cpu",
+                "--master-port",
+                str(port),
+                "--entrypoint",
+                "tests.targets:dump_env",
+            )
+            == 2
+        )
     assert f"--master-port {port} is in use on the master node" in capsys.readouterr().err
     assert leftovers("busyport") == ([], [])
+
+
+def test_port_reservations_are_exclusive_across_jobs():
+    from launcher import ports
+
+    assert ports.reserve("10.9.9.9", [21001, 21002], "job-a") == 21001
+    assert ports.reserve("10.9.9.9", [21001, 21002], "job-b") == 21002
+    assert ports.reserve("10.9.9.9", [21001, 21002], "job-c") is None
+    ports.release("10.9.9.9", 21001)
+    assert ports.reserve("10.9.9.9", [21001, 21002], "job-c") == 21001

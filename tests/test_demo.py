@@ -1,0 +1,32 @@
+"""The README's demo, run the way a user runs it: no cluster address, simulated nodes, a subprocess."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+
+def test_readme_demo_dry_run_on_two_simulated_nodes():
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    p = subprocess.run(
+        [sys.executable, "main.py", "--dry-run", "--nodes", "2", "--gpus-per-node", "2"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    assert "simulating 2 node(s) x 2 declared GPUs" in out
+    rows = re.findall(r"^\s+(\d)\s+(\d)\s+\S+\s+\S+\s+(\d)\s+(\d)\s+\d+$", out, flags=re.M)
+    assert [(int(r), int(n), int(lr)) for r, n, lr, _ in rows] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
+    assert "dry run passed: 4 ranks on 2 node(s)" in out

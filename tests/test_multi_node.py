@@ -1,0 +1,239 @@
+"""Tier 3: several simulated nodes (`ray.cluster_utils.Cluster`) with declared GPUs, and drivers run
+as separate processes the way users run them."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from launcher.cli import main
+
+from .conftest import REPO, leftovers, read_ranks
+
+pytestmark = pytest.mark.slow
+
+NODE_A_ENV = {"OMP_NUM_THREADS": "3", "NCCL_DEBUG": "INFO"}
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.chdir(REPO)
+    c = Cluster(
+        initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": True}
+    )
+    # Node A has 3 GPUs (one of them taken by someone else below) and its own environment.
+    c.add_node(num_cpus=4, num_gpus=3, resources={"node_a": 1}, env_vars=NODE_A_ENV)
+    c.add_node(num_cpus=4, num_gpus=2, resources={"node_b": 1})
+    c.wait_for_nodes()
+    ray.init(address=c.address, namespace="megaray")
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+@ray.remote(num_gpus=1, num_cpus=0)
+def _gpu_ids():
+    return [str(g) for g in ray.get_runtime_context().get_accelerator_ids()["GPU"]]
+
+
+def node_ids():
+    return {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
+
+
+def test_rank_order_and_local_rank_selects_the_ray_gpu(cluster, out, capsys):
+    # Another user holds one GPU of node A, so our GPUs there are not 0 and 1 in bundle order.
+    blocker = placement_group([{"GPU": 1, "node_a": 0.1}])
+    ray.get(blocker.ready())
+    taken = ray.get(_gpu_ids.options(scheduling_strategy=PlacementGroupSchedulingStrategy(blocker)).remote())
+    try:
+        assert (
+            main(
+                [
+                    "--job-name",
+                    "order",
+                    "--address",
+                    cluster.address,
+                    "--nodes",
+                    "2",
+                    "--gpus-per-node",
+                    "2",
+                    "--env",
+                    f"MEGARAY_TEST_OUT={out}",
+                    "--entrypoint",
+                    "tests.targets:dump_env",
+                ]
+            )
+            == 0
+        )
+    finally:
+        remove_placement_group(blocker)
+    seen = read_ranks(out, "env", 4)
+    nodes = node_ids()
+    node_a = next(i for i, n in nodes.items() if "node_a" in n["Resources"])
+    # Both simulated nodes share one IP: the tie-break by node id decides, so rank order is stable.
+    expected_first = min(s["node_id"] for s in seen)
+    assert [s["node_id"] == expected_first for s in seen] == [True, True, False, False]
+    for rank, s in enumerate(seen):
+        e = s["env"]
+        assert (e["RANK"], e["NODE_RANK"], e["LOCAL_RANK"]) == (str(rank), str(rank // 2), str(rank % 2))
+        visible = e["CUDA_VISIBLE_DEVICES"].split(",")
+        assert visible[int(e["LOCAL_RANK"])] == s["ray_gpu_ids"][0]
+        assert e["MASTER_ADDR"] == seen[0]["env"]["MASTER_ADDR"]
+    on_a = [s for s in seen if s["node_id"] == node_a]
+    assert len(on_a) == 2
+    assert taken[0] not in on_a[0]["env"]["CUDA_VISIBLE_DEVICES"].split(",")
+    assert on_a[0]["env"]["CUDA_VISIBLE_DEVICES"] == on_a[1]["env"]["CUDA_VISIBLE_DEVICES"]
+    err = capsys.readouterr().err
+    assert err.count("rank  node  ip") == 1
+    assert leftovers("order") == ([], [])
+
+
+def test_node_env_is_kept_or_replaced_loudly(cluster, out, capsys):
+    assert (
+        main(
+            [
+                "--job-name",
+                "nodeenv",
+                "--address",
+                cluster.address,
+                "--nodes",
+                "2",
+                "--gpus-per-node",
+                "2",
+                "--env",
+                f"MEGARAY_TEST_OUT={out}",
+                "--env",
+                "NCCL_DEBUG=TRACE",
+                "--entrypoint",
+                "tests.targets:dump_env",
+            ]
+        )
+        == 0
+    )
+    nodes = node_ids()
+    for s in read_ranks(out, "env", 4):
+        on_a = "node_a" in nodes[s["node_id"]]["Resources"]
+        assert s["env"]["OMP_NUM_THREADS"] == ("3" if on_a else "1")
+        assert s["env"]["NCCL_DEBUG"] == "TRACE"
+    err = capsys.readouterr().err
+    assert "OMP_NUM_THREADS: keeping the node's '3' (launcher default '1')" in err
+    assert "NCCL_DEBUG: --env sets 'TRACE' over the node's 'INFO'" in err
+
+
+def test_dry_run_across_two_nodes(cluster, capsys):
+    assert (
+        main(
+            [
+                "--job-name",
+                "dry",
+                "--address",
+                cluster.address,
+                "--dry-run",
+                "--nodes",
+                "2",
+                "--gpus-per-node",
+                "2",
+            ]
+        )
+        == 0
+    )
+    err = capsys.readouterr().err
+    assert "dry run passed: 4 ranks on 2 node(s)" in err
+    assert leftovers("dry") == ([], [])
+
+
+def _driver(cluster, job, *args, out=None):
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONUNBUFFERED"] = "1"
+    extra = ["--env", f"MEGARAY_TEST_OUT={out}"] if out else []
+    return subprocess.Popen(
+        [
+            sys.executable,
+            str(REPO / "main.py"),
+            "--job-name",
+            job,
+            "--address",
+            cluster.address,
+            *extra,
+            *args,
+        ],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def test_two_jobs_at_once_get_different_ports_and_both_succeed(cluster, tmp_path):
+    args = (
+        "--device",
+        "cpu",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "1",
+        "--entrypoint",
+        "tests.targets:gloo_allreduce",
+    )
+    a = _driver(cluster, "twin-a", *args, out=tmp_path / "a")
+    b = _driver(cluster, "twin-b", *args, out=tmp_path / "b")
+    out_a, out_b = a.communicate(timeout=180)[0], b.communicate(timeout=180)[0]
+    assert (a.returncode, b.returncode) == (0, 0), out_a + out_b
+    ports = {json.loads((tmp_path / j / "allreduce-rank0.json").read_text())["port"] for j in ("a", "b")}
+    assert len(ports) == 2
+    for j in ("a", "b"):
+        assert [r["sum"] for r in read_ranks(tmp_path / j, "allreduce", 2)] == [1.0, 1.0]
+
+
+@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_signal_to_the_driver_stops_every_rank(cluster, tmp_path, sig, code):
+    job = f"sig{int(sig)}"
+    p = _driver(
+        cluster,
+        job,
+        "--device",
+        "cpu",
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "1",
+        "--entrypoint",
+        "tests.targets:wait_forever",
+        out=tmp_path,
+    )
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"pid-rank{r}.json").exists() for r in range(2)):
+        assert p.poll() is None and time.monotonic() < deadline, (
+            p.stdout.read() if p.poll() is not None else ""
+        )
+        time.sleep(0.1)
+    p.send_signal(sig)
+    output = p.communicate(timeout=30)[0]
+    assert p.returncode == code, output
+    assert f"interrupted by {signal.Signals(sig).name}" in output
+    assert leftovers(job) == ([], [])
+    for r in range(2):
+        pid = json.loads((tmp_path / f"pid-rank{r}.json").read_text())["pid"]
+        _wait_gone(pid)
+
+
+def _wait_gone(pid: int, wait_s: float = 10.0) -> None:
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"rank process {pid} still running {wait_s}s after the driver stopped")
