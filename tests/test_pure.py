@@ -289,3 +289,31 @@ def test_unknown_entrypoint_and_unreachable_address_exit_2(capsys):
     assert main(["--address", "127.0.0.1:1", "--dry-run"]) == 2
     err = capsys.readouterr().err
     assert "cannot reach a Ray cluster at 127.0.0.1:1" in err and "--address" in err
+
+
+def test_node_versions_must_match_the_driver():
+    import sys
+
+    import ray
+
+    from launcher.cluster import check_versions
+    from launcher.errors import ClusterError
+
+    py = ".".join(map(str, sys.version_info[:3]))
+    same = {"node_ip": "10.0.0.1", "hostname": "a", "ray_version": ray.__version__, "python_version": py}
+    check_versions([same, same])
+    other = {
+        **same,
+        "node_ip": "10.0.0.2",
+        "hostname": "b",
+        "ray_version": "2.59.0",
+        "python_version": "3.12.9",
+    }
+    with pytest.raises(ClusterError) as err:
+        check_versions([same, other])
+    assert str(err.value) == (
+        f"node versions differ from the driver's (Ray {ray.__version__}, Python {py}): "
+        "10.0.0.2 (b): Ray 2.59.0, Python 3.12.9; "
+        "install the same Ray and Python on every node and the driver"
+    )
+    assert err.value.exit_code == 2
