@@ -46,6 +46,12 @@ def _gpu_ids():
     return [str(g) for g in ray.get_runtime_context().get_accelerator_ids()["GPU"]]
 
 
+def launch(cluster, job, out, args: str) -> int:
+    return main(
+        ["--job-name", job, "--address", cluster.address, "--env", f"MEGARAY_TEST_OUT={out}", *args.split()]
+    )
+
+
 def node_ids():
     return {n["NodeID"]: n for n in ray.nodes() if n["Alive"]}
 
@@ -57,22 +63,7 @@ def test_rank_order_and_local_rank_selects_the_ray_gpu(cluster, out, capsys):
     taken = ray.get(_gpu_ids.options(scheduling_strategy=PlacementGroupSchedulingStrategy(blocker)).remote())
     try:
         assert (
-            main(
-                [
-                    "--job-name",
-                    "order",
-                    "--address",
-                    cluster.address,
-                    "--nodes",
-                    "2",
-                    "--gpus-per-node",
-                    "2",
-                    "--env",
-                    f"MEGARAY_TEST_OUT={out}",
-                    "--entrypoint",
-                    "tests.targets:dump_env",
-                ]
-            )
+            launch(cluster, "order", out, "--nodes 2 --gpus-per-node 2 --entrypoint tests.targets:dump_env")
             == 0
         )
     finally:
@@ -100,23 +91,11 @@ def test_rank_order_and_local_rank_selects_the_ray_gpu(cluster, out, capsys):
 
 def test_node_env_is_kept_or_replaced_loudly(cluster, out, capsys):
     assert (
-        main(
-            [
-                "--job-name",
-                "nodeenv",
-                "--address",
-                cluster.address,
-                "--nodes",
-                "2",
-                "--gpus-per-node",
-                "2",
-                "--env",
-                f"MEGARAY_TEST_OUT={out}",
-                "--env",
-                "NCCL_DEBUG=TRACE",
-                "--entrypoint",
-                "tests.targets:dump_env",
-            ]
+        launch(
+            cluster,
+            "nodeenv",
+            out,
+            "--nodes 2 --gpus-per-node 2 --env NCCL_DEBUG=TRACE --entrypoint tests.targets:dump_env",
         )
         == 0
     )
