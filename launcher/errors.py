@@ -58,12 +58,16 @@ class RankFailure:
 
 
 class RankFailedError(MegarayError):
-    """One or more ranks failed; the earliest failure is the root cause (as torch elastic reports)."""
+    """One or more ranks failed; the earliest failure is the root cause (as torch elastic reports).
+
+    A rank whose process died comes before ranks that raised: when a process dies its peers fail
+    with connection errors, and those can reach the driver before Ray reports the death.
+    """
 
     exit_code = 1
 
     def __init__(self, failures: list[RankFailure], world_size: int):
-        self.failures = sorted(failures, key=lambda f: (f.at, f.rank))
+        self.failures = sorted(failures, key=lambda f: (f.kind != "died", f.at, f.rank))
         self.world_size = world_size
         self.root = self.failures[0]
         super().__init__(

@@ -359,7 +359,11 @@ class _Job:
             if failures:
                 # Peers of a dead rank fail a moment later with connection errors: gather what arrives
                 # within a short window, so the root cause is the rank that failed first.
-                more, pending = ray.wait(pending, num_returns=len(pending), timeout=ROOT_CAUSE_WINDOW_S)
+                more = (
+                    ray.wait(pending, num_returns=len(pending), timeout=ROOT_CAUSE_WINDOW_S)[0]
+                    if pending
+                    else []
+                )
                 for ref in more:
                     self._collect(ref, rank_of[ref], infos, returns, failures)
                 raise RankFailedError(failures, spec.world_size)

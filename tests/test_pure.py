@@ -257,6 +257,8 @@ def test_root_cause_is_the_earliest_failure_and_the_report_shows_its_traceback()
     report = err.report()
     assert "rank      : 5 of 8" in report and "    ValueError: bad" in report
     assert "rank 0 on 10.0.0.1: RuntimeError: peer closed" in report
+    died = RankFailure(3, "10.0.0.2", "h1", "3", "died", "its process exited unexpectedly", at=3.0)
+    assert RankFailedError([late, died], world_size=8).root is died  # peers' connection errors come first
 
 
 def test_describe_death_keeps_what_ray_knows():
