@@ -246,7 +246,7 @@ class _Job:
         spec = self.spec
         problem = placement.feasibility_problem(spec)
         if problem and self.cluster.fixed_size:
-            raise placement.resource_error(spec, 0, problem, placement.describe_nodes())
+            raise placement.resource_error(spec, 0, problem, placement.describe_nodes(), can_grow=False)
         if problem:
             log.warning("%s; waiting up to %gs for more nodes", problem, spec.placement_timeout_s)
         before = placement.describe_nodes()  # what others left free, for the message if we time out
@@ -254,7 +254,13 @@ class _Job:
         placed = len(wait_all([g.ready() for g in self.groups], spec.placement_timeout_s, self.stop))
         if placed < len(self.groups):
             why = f"not placed within {spec.placement_timeout_s:g}s"
-            raise placement.resource_error(spec, placed, f"{problem}; {why}" if problem else why, before)
+            raise placement.resource_error(
+                spec,
+                placed,
+                f"{problem}; {why}" if problem else why,
+                before,
+                can_grow=not self.cluster.fixed_size,
+            )
         self._mark("placed")
         self.slots = assign_ranks(order_nodes(placement.resolve_nodes(self.groups)), spec.gpus_per_node)
 

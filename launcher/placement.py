@@ -94,11 +94,16 @@ def resolve_nodes(groups: list[PlacementGroup]) -> list[NodeSlot]:
     return slots
 
 
-def resource_error(spec: LaunchSpec, placed: int, why: str, nodes: str) -> ResourceError:
+def resource_error(spec: LaunchSpec, placed: int, why: str, nodes: str, can_grow: bool) -> ResourceError:
+    fix = (
+        "free or add nodes, or wait longer with --placement-timeout"
+        if can_grow
+        else "or attach to a larger cluster with --address (this local Ray was started for this run and "
+        "cannot grow)"
+    )
     return ResourceError(
         f"the cluster cannot fit {describe_request(spec)}: {why} ({placed} of {spec.nodes} groups placed). "
-        f"Cluster before this launch: {nodes}. Lower --nodes / --gpus-per-node / --cpus-per-rank, "
-        "free or add nodes, or wait longer with --placement-timeout"
+        f"Cluster before this launch: {nodes}. Lower --nodes / --gpus-per-node / --cpus-per-rank, {fix}"
     )
 
 
