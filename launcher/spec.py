@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from .errors import UsageError
 from .rankenv import parse_env_pairs
+from .recipes import Recipe, check_overrides, load_recipe
 
 DEFAULT_PLACEMENT_TIMEOUT_S = 120.0
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
@@ -26,14 +27,17 @@ _MODULE = re.compile(r"^[A-Za-z_][\w.]*$")
 @dataclass(frozen=True)
 class Target:
     """What every rank runs: a script (as `python script.py args`), a module (`python -m`), a
-    `pkg.module:function` entrypoint, or the built-in dry-run check."""
+    `pkg.module:function` entrypoint, a Megatron-Bridge recipe (`args` are its overrides), or the
+    built-in dry-run check."""
 
-    kind: str  # "script" | "module" | "entrypoint" | "dryrun"
+    kind: str  # "script" | "module" | "entrypoint" | "megatron" | "dryrun"
     name: str
     args: tuple[str, ...] = ()
+    recipe: Recipe | None = None
+    hf_path: str | None = None
 
     def __post_init__(self):
-        if self.kind not in ("script", "module", "entrypoint", "dryrun"):
+        if self.kind not in ("script", "module", "entrypoint", "megatron", "dryrun"):
             raise ValueError(f"unknown target kind {self.kind!r}")
         if self.kind == "entrypoint" and not _ENTRYPOINT.match(self.name):
             raise ValueError(f"--entrypoint {self.name!r} is not of the form pkg.module:function")
@@ -41,7 +45,12 @@ class Target:
             raise ValueError(f"-m {self.name!r} is not a module name such as pkg.train")
 
     def describe(self) -> str:
-        shown = {"script": self.name, "module": f"-m {self.name}", "entrypoint": self.name}
+        shown = {
+            "script": self.name,
+            "module": f"-m {self.name}",
+            "entrypoint": self.name,
+            "megatron": f"Megatron-Bridge pretrain(), recipe {self.name}",
+        }
         return " ".join([shown.get(self.kind, "dry-run check"), *self.args])
 
 
@@ -156,6 +165,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--entrypoint", metavar="PKG.MODULE:FUNCTION", help="call this function on every rank")
     p.add_argument("-m", "--module", help="run a module as `python -m MODULE` on every rank")
+    p.add_argument(
+        "--recipe",
+        help="run Megatron-Bridge pretrain() with this recipe (a name under recipes/ or a YAML path); "
+        "trailing key=value arguments override it",
+    )
+    p.add_argument("--hf-path", help="HF model id or local folder to read the model config from")
     p.add_argument("target", nargs="?", help="script to run on every rank, as torchrun runs it")
     p.add_argument("target_args", nargs=argparse.REMAINDER, help="arguments for the script or function")
     return p
@@ -167,11 +182,18 @@ def spec_from_args(
     """Parse the command line into a LaunchSpec; bad input raises UsageError (exit 2)."""
     environ = os.environ if environ is None else environ
     args = build_parser().parse_args(argv)
-    if args.entrypoint and args.module:
-        raise UsageError("give one target: --entrypoint or -m, not both")
+    given = [
+        f for f, v in (("--entrypoint", args.entrypoint), ("-m", args.module), ("--recipe", args.recipe)) if v
+    ]
+    if len(given) > 1:
+        raise UsageError(f"give one target: {' or '.join(given)}, not several")
     try:
-        if args.dry_run and not (args.entrypoint or args.module or args.target):
+        if args.dry_run and not (given or args.target):
             target = DRY_RUN_TARGET
+        elif args.recipe:
+            overrides = _script_args(args)
+            check_overrides(overrides)
+            target = Target("megatron", args.recipe, tuple(overrides), load_recipe(args.recipe), args.hf_path)
         elif args.entrypoint:
             target = Target("entrypoint", args.entrypoint, tuple(_script_args(args)))
         elif args.module:
@@ -180,7 +202,8 @@ def spec_from_args(
             target = Target("script", args.target, tuple(args.target_args))
         else:
             raise UsageError(
-                "nothing to run: give a script, --entrypoint pkg.module:function, -m module, or --dry-run"
+                "nothing to run: give --recipe NAME, a script, --entrypoint pkg.module:function, -m module, "
+                "or --dry-run"
             )
         env = parse_env_pairs(args.env)
         return LaunchSpec(

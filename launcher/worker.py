@@ -166,6 +166,10 @@ def run_target(target: Target, cwd: str) -> Any:
         from .dryrun import check
 
         return check()
+    if target.kind == "megatron":
+        from .bridge_target import pretrain_recipe
+
+        return pretrain_recipe(target.recipe, list(target.args), target.hf_path)
     if target.kind == "script":
         path = os.path.join(cwd, target.name)
         if not os.path.isfile(path):

@@ -1,0 +1,130 @@
+"""What megatron-core 0.19.2 and megatron-bridge 0.6.2 need to run on the machines users have.
+
+Each fix is guarded by a check of what is installed, touches only Megatron modules, and is a no-op
+where the problem does not exist (a real TransformerEngine is always used when installed):
+
+- TransformerEngine absent: bridge's `peft/lora_layers.py` imports `transformer_engine.pytorch`
+  unconditionally, so `import megatron.bridge` fails. That one module is executed with an import
+  function that answers the TE import with a placeholder; the placeholder never enters
+  `sys.modules`, so megatron-core's own `try: import transformer_engine` checks still see no TE.
+  Models then use the local layer spec with the fusions that need compiled kernels off.
+- The megatron-core wheel ships the compiled dataset helpers but not the Makefile that bridge's
+  `initialize_megatron` runs through `compile_helpers()`; `make` fails and it calls `sys.exit(1)`.
+  With the helpers importable, compiling is skipped.
+"""
+
+from __future__ import annotations
+
+import builtins
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+_LORA = "megatron.bridge.peft.lora_layers"
+FUSIONS_NEEDING_KERNELS = (
+    "masked_softmax_fusion",
+    "apply_rope_fusion",
+    "gradient_accumulation_fusion",
+    "persist_layer_norm",
+)
+
+
+def te_installed() -> bool:
+    return importlib.util.find_spec("transformer_engine") is not None
+
+
+class _NoTE(types.ModuleType):
+    """Stands in for `transformer_engine` inside bridge's LoRA module only: attributes are more
+    placeholders (lower case) or classes nothing is an instance of (upper case)."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        if name[:1].isupper():
+
+            def unavailable(*_a, **_k):
+                raise ImportError(f"{self.__name__}.{name} needs TransformerEngine, which is not installed")
+
+            value: Any = type(name, (), {"__module__": self.__name__, "__init__": unavailable})
+        else:
+            value = _NoTE(f"{self.__name__}.{name}")
+        setattr(self, name, value)
+        return value
+
+
+def _import_answering_te(name, globals=None, locals=None, fromlist=(), level=0):
+    if level == 0 and (name == "transformer_engine" or name.startswith("transformer_engine.")):
+        top = _NoTE("transformer_engine")
+        return top
+    return builtins.__import__(name, globals, locals, fromlist, level)
+
+
+class _LoraLoader(importlib.abc.Loader):
+    def __init__(self, real: importlib.machinery.SourceFileLoader):
+        self.real = real
+
+    def create_module(self, spec):
+        return None
+
+    def exec_module(self, module):
+        module.__builtins__ = {**builtins.__dict__, "__import__": _import_answering_te}
+        exec(self.real.get_code(module.__name__), module.__dict__)
+
+
+class _LoraFinder(importlib.abc.MetaPathFinder):
+    def find_spec(self, fullname, path, target=None):
+        if fullname != _LORA:
+            return None
+        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
+        if spec is not None and isinstance(spec.loader, importlib.machinery.SourceFileLoader):
+            spec.loader = _LoraLoader(spec.loader)
+        return spec
+
+
+def import_bridge() -> types.ModuleType:
+    """`import megatron.bridge`, with or without TransformerEngine."""
+    if not te_installed() and not any(isinstance(f, _LoraFinder) for f in sys.meta_path):
+        sys.meta_path.insert(0, _LoraFinder())
+    import megatron.bridge
+
+    return megatron.bridge
+
+
+def adapt_model_without_te(model: Any) -> list[str]:
+    """Local layer spec and no kernel fusions when TE is absent; returns what was changed."""
+    if te_installed():
+        return []
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+
+    changed = []
+    if getattr(model, "transformer_layer_spec", None) is not local_layer_spec:
+        model.transformer_layer_spec = local_layer_spec
+        changed.append("transformer_layer_spec=local")
+    if hasattr(model, "transformer_impl") and model.transformer_impl != "local":
+        model.transformer_impl = "local"
+        changed.append("transformer_impl=local")
+    for name in FUSIONS_NEEDING_KERNELS:
+        if getattr(model, name, False):
+            setattr(model, name, False)
+            changed.append(f"{name}=False")
+    return changed
+
+
+def skip_compile_helpers_if_prebuilt() -> bool:
+    """Stop bridge from running `make` for helpers the wheel already ships. True if patched."""
+    import megatron.core.datasets as datasets
+
+    if (Path(datasets.__file__).parent / "Makefile").exists():
+        return False  # a source checkout: let it build
+    try:
+        importlib.import_module("megatron.core.datasets.helpers_cpp")
+    except ImportError:
+        return False  # nothing prebuilt: let megatron report it
+    import megatron.bridge.training.initialize as initialize
+
+    initialize.compile_helpers = lambda: None
+    return True
