@@ -14,7 +14,9 @@ LOSS = re.compile(r"lm loss: ([\d.E+-]+)")
 
 def read(path: str) -> dict:
     first_at, times, losses = None, [], []
-    for line in open(path, errors="replace"):
+    with open(path, errors="replace") as f:
+        lines = f.readlines()
+    for line in lines:
         m = ITER.search(line)
         if not m:
             continue
@@ -38,7 +40,8 @@ def main() -> None:
         spread = (min(r["times"]), max(r["times"]))
         loss = f"loss {r['losses'][0]:.2f} -> {r['losses'][-1]:.2f}" if r["losses"] else ""
         print(
-            f"{name:9s} steady {med:8.1f} ms/iter (min {spread[0]:.1f}, max {spread[1]:.1f}, n={len(r['times'])}), "
+            f"{name:9s} steady {med:8.1f} ms/iter (min {spread[0]:.1f}, max {spread[1]:.1f}, "
+            f"n={len(r['times'])}), "
             f"first iteration at {r['first_s']:.1f} s, {loss}"
         )
     if all(runs[k]["times"] for k in ("torchrun", "megaray") if k in runs) and len(runs) >= 2:
