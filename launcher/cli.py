@@ -41,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     try:
         spec = spec_from_args(sys.argv[1:] if argv is None else argv)
+        if spec.check_only:
+            from .preflight import preflight
+
+            preflight(spec)
+            return 0
         from .launch import launch  # imports ray: after the spec, so --help and bad input stay fast
 
         result = launch(spec)

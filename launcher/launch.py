@@ -34,6 +34,7 @@ from .errors import (
     UsageError,
     describe_death,
 )
+from .preflight import preflight
 from .profiles import load_profile
 from .rankenv import EnvDecision, contract_env, decide_env
 from .spec import LaunchSpec, Target
@@ -72,6 +73,7 @@ def launch(spec: LaunchSpec) -> LaunchResult:
     """Run `spec` on the cluster and return when every rank has finished; raises MegarayError."""
     check_target_locally(spec.target, spec.cwd)
     profile = load_profile(spec.env_profile) if spec.env_profile else {}
+    preflight(spec)
     stop = _StopSignal()
     # After connecting: ray.init installs its own fatal-signal handler for SIGTERM, which would
     # end the driver without teardown.

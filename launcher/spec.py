@@ -72,6 +72,7 @@ class LaunchSpec:
     env_profile: str | None = None
     env: tuple[tuple[str, str], ...] = ()
     cwd: str = field(default_factory=os.getcwd)
+    check_only: bool = False  # --check: validate the Megatron layout in the driver, then exit
 
     def __post_init__(self):
         if self.nodes < 1:
@@ -94,6 +95,8 @@ class LaunchSpec:
                 f"--job-name {self.job_name!r} must be 1-63 letters, digits, '.', '_' or '-', "
                 "starting with a letter or digit"
             )
+        if self.check_only and self.target.kind != "megatron":
+            raise ValueError("--check validates a Megatron layout: give it with --recipe")
         if self.dry_run != (self.target.kind == "dryrun"):
             raise ValueError(
                 "--dry-run runs the built-in check: drop the script or --entrypoint, or --dry-run"
@@ -171,6 +174,9 @@ def build_parser() -> argparse.ArgumentParser:
         "trailing key=value arguments override it",
     )
     p.add_argument("--hf-path", help="HF model id or local folder to read the model config from")
+    p.add_argument(
+        "--check", action="store_true", help="build the recipe's config here and check its layout, then exit"
+    )
     p.add_argument("target", nargs="?", help="script to run on every rank, as torchrun runs it")
     p.add_argument("target_args", nargs=argparse.REMAINDER, help="arguments for the script or function")
     return p
@@ -220,6 +226,7 @@ def spec_from_args(
             env_profile=args.env_profile,
             env=tuple(env.items()),
             cwd=cwd or os.getcwd(),
+            check_only=args.check,
         )
     except ValueError as e:
         raise UsageError(str(e)) from None

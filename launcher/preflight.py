@@ -1,0 +1,53 @@
+"""Preflight: build the Megatron config in the driver, on CPU, and check its layout before placing.
+
+A layout that does not fit exits 2 before any placement group exists. The driver needs
+megatron-bridge for this; without it the launch goes on and the ranks find out themselves.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from .errors import UsageError
+from .layout import Layout, layout_problems
+from .spec import LaunchSpec
+
+log = logging.getLogger("megaray")
+
+
+def preflight(spec: LaunchSpec) -> Layout | None:
+    target = spec.target
+    if target.kind != "megatron" or target.recipe is None:
+        return None
+    t0 = time.monotonic()
+    try:
+        from .bridge_target import build_config
+
+        cfg, notes = build_config(target.recipe, list(target.args), target.hf_path)
+    except ModuleNotFoundError as e:
+        if spec.check_only:
+            raise UsageError(
+                f"--check needs megatron-bridge in the driver ({e}); install megaray[megatron]"
+            ) from None
+        log.warning(
+            "preflight skipped: %s in the driver (install megaray[megatron] to check layouts here)", e
+        )
+        return None
+    layout = Layout.from_config(cfg)
+    problems = layout_problems(layout, spec.nodes, spec.gpus_per_node)
+    if problems:
+        raise UsageError(
+            f"recipe {target.recipe.name}: layout {layout.describe()} does not fit: " + "; ".join(problems)
+        )
+    dp = spec.world_size // (layout.tp * layout.pp * layout.cp)
+    log.info(
+        "preflight: %s, DP %d fits %d rank(s) (%.1f s)",
+        layout.describe(),
+        dp,
+        spec.world_size,
+        time.monotonic() - t0,
+    )
+    for note in notes:
+        log.info("preflight: %s", note)
+    return layout
