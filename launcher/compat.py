@@ -19,6 +19,7 @@ import builtins
 import importlib.abc
 import importlib.machinery
 import importlib.util
+import logging
 import sys
 import types
 from pathlib import Path
@@ -89,6 +90,8 @@ def import_bridge() -> types.ModuleType:
     """`import megatron.bridge`, with or without TransformerEngine."""
     if not te_installed() and not any(isinstance(f, _LoraFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _LoraFinder())
+    # bridge logs every optional import it misses (TE's FP8 classes) with a traceback, at INFO
+    logging.getLogger("megatron.bridge.utils.import_utils").setLevel(logging.WARNING)
     import megatron.bridge
 
     return megatron.bridge

@@ -2,15 +2,37 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import tempfile
 import time
 from pathlib import Path
 
-# Ray reads this when imported; the launcher sets it too, but tests import ray first.
+REPO = Path(__file__).resolve().parent.parent
+FIXTURES = Path(__file__).resolve().parent / "fixtures"
+
+
+def make_hf_cache(root: Path) -> Path:
+    """An HF hub cache holding the fixture configs, as `huggingface_hub` lays one out."""
+    for model in (FIXTURES / "hf").iterdir():
+        if not (model / "config.json").is_file():
+            continue
+        repo = root / "hub" / f"models--{model.name}"
+        revision_file = model / "revision"
+        commit = revision_file.read_text().strip() if revision_file.exists() else "0" * 40
+        (repo / "snapshots" / commit).mkdir(parents=True, exist_ok=True)
+        shutil.copy(model / "config.json", repo / "snapshots" / commit / "config.json")
+        (repo / "refs").mkdir(exist_ok=True)
+        (repo / "refs" / "main").write_text(commit)
+    return root
+
+
+# Set before anything imports huggingface_hub (it reads these once): tests never touch the network,
+# and recipes that fetch HF configs find the fixtures. Ray reads RAY_DEDUP_LOGS when imported.
+os.environ["HF_HOME"] = str(make_hf_cache(Path(tempfile.mkdtemp(prefix="megaray-hf-"))))
+os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
-import pytest
-
-REPO = Path(__file__).resolve().parent.parent
+import pytest  # noqa: E402
 
 
 def leftovers(job: str, wait_s: float = 10.0) -> tuple[list[str], list[str]]:

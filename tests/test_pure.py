@@ -319,3 +319,30 @@ def test_node_versions_must_match_the_driver():
         "install the same Ray and Python on every node and the driver"
     )
     assert err.value.exit_code == 2
+
+
+# -- Megatron layouts -----------------------------------------------------------------------------
+def test_layout_that_fits_has_no_problems():
+    from launcher.layout import Layout, layout_problems
+
+    deepseek = Layout(tp=8, pp=1, ep=2, global_batch=64, micro_batch=1, num_heads=16, num_query_groups=16,
+                      num_experts=64)  # fmt: skip
+    assert layout_problems(deepseek, nodes=2, gpus_per_node=8) == []
+
+
+def test_layout_problems_print_the_numbers():
+    from launcher.layout import Layout, layout_problems
+
+    problems = layout_problems(
+        Layout(tp=4, pp=3, ep=3, global_batch=10, micro_batch=4, num_heads=6, num_experts=64),
+        nodes=2,
+        gpus_per_node=2,
+    )
+    text = "\n".join(problems)
+    assert "TP 4 x PP 3 x CP 1 = 12 does not divide world size 4 (--nodes 2 x --gpus-per-node 2)" in text
+    assert "TP 4 must fit within one node of 2 GPUs" in text
+    assert "expert TP 4 x EP 3 x PP 3 = 36 does not divide world size 4" in text
+    assert "EP 3 does not divide the 64 experts" in text
+    assert "global batch 10 is not a multiple of micro batch 4 x DP 1 = 4" in text
+    assert "TP 4 does not divide the 6 attention heads" in text
+    assert len(problems) == 6

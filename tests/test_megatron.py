@@ -1,0 +1,155 @@
+"""Megatron-Bridge recipes resolved offline from HF config fixtures, the compatibility fixes, and
+the preflight layout check through `main()`. Needs the megatron extra (skipped without it)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import sys
+
+import pytest
+
+if importlib.util.find_spec("megatron.core") is None or importlib.util.find_spec("megatron.bridge") is None:
+    pytest.skip("the megatron extra is not installed", allow_module_level=True)
+
+from launcher import compat
+from launcher.bridge_target import build_config
+from launcher.cli import main
+from launcher.errors import UsageError
+from launcher.recipes import available_recipes, load_recipe
+
+from .conftest import FIXTURES
+
+
+@pytest.fixture(scope="module")
+def configs():
+    """Every shipped recipe, built once (bridge takes ~20 s to import on 2 cores)."""
+    return {name: build_config(load_recipe(name), [])[0] for name in available_recipes()}
+
+
+def test_shipped_recipes(configs):
+    assert {"deepseek_v2_lite", "llama3_8b", "qwen3_8b", "gpt_small"} <= set(configs)
+
+
+def test_deepseek_v2_lite_has_the_model_card_and_the_recipe_values(configs):
+    cfg = configs["deepseek_v2_lite"]
+    m = cfg.model
+    # from the HF config fixture (the published model card)
+    assert (m.num_layers, m.hidden_size, m.num_attention_heads) == (27, 2048, 16)
+    assert (m.num_moe_experts, m.moe_router_topk, m.moe_ffn_hidden_size, m.kv_lora_rank) == (64, 6, 1408, 512)
+    # from recipes/deepseek_v2_lite.yaml
+    assert (m.tensor_model_parallel_size, m.pipeline_model_parallel_size, m.expert_model_parallel_size) == (
+        8,
+        1,
+        2,
+    )
+    assert m.sequence_parallel is True and m.seq_length == 4096 and cfg.dataset.seq_length == 4096
+    assert m.moe_permute_fusion is False
+    assert (cfg.train.train_iters, cfg.train.global_batch_size, cfg.train.micro_batch_size) == (500, 64, 1)
+    assert (cfg.validation.eval_interval, cfg.scheduler.lr_warmup_iters) == (100, 50)
+    assert cfg.checkpoint.save is None
+
+
+def test_llama_and_qwen_have_the_model_card_values(configs):
+    llama, qwen = configs["llama3_8b"].model, configs["qwen3_8b"].model
+    assert (llama.num_layers, llama.hidden_size, llama.ffn_hidden_size, llama.num_query_groups) == (
+        32,
+        4096,
+        14336,
+        8,
+    )
+    assert llama.rotary_base == 500000
+    assert (qwen.num_layers, qwen.hidden_size, qwen.ffn_hidden_size, qwen.num_query_groups) == (
+        36,
+        4096,
+        12288,
+        8,
+    )
+    assert qwen.qk_layernorm is True
+    assert configs["qwen3_8b"].tokenizer.tokenizer_type == "NullTokenizer"
+
+
+def test_command_line_overrides_beat_the_recipe_file_which_beats_bridge():
+    recipe = load_recipe("gpt_small")
+    cfg, _ = build_config(recipe, ["model.num_layers=2", "train.train_iters=7"])
+    assert (cfg.model.num_layers, cfg.train.train_iters) == (2, 7)  # command line
+    assert cfg.model.hidden_size == 2048  # recipe file (bridge's default is different)
+    assert cfg.train.micro_batch_size == 4
+
+
+def test_bad_override_names_the_key():
+    with pytest.raises(
+        UsageError, match=r"override 'model\.no_such_key=3' from the command line.*'model\.no_such_key'"
+    ):
+        build_config(load_recipe("gpt_small"), ["model.no_such_key=3"])
+
+
+def test_hf_path_reads_a_local_model_folder(tmp_path):
+    folder = tmp_path / "my-llama"
+    folder.mkdir()
+    config = json.loads((FIXTURES / "hf" / "meta-llama--Meta-Llama-3-8B" / "config.json").read_text())
+    config["num_hidden_layers"] = 4
+    (folder / "config.json").write_text(json.dumps(config))
+    cfg, _ = build_config(load_recipe("llama3_8b"), [], hf_path=str(folder))
+    assert cfg.model.num_layers == 4
+
+
+def test_bridge_imports_without_te_and_the_placeholder_stays_private(configs):
+    if compat.te_installed():
+        pytest.skip("TransformerEngine is installed: the real one is used")
+    assert "transformer_engine" not in sys.modules
+    import megatron.bridge.peft.lora_layers as lora
+    from megatron.bridge.models.gpt_provider import local_layer_spec
+
+    assert lora.te.__name__ == "transformer_engine.pytorch"
+    with pytest.raises(ImportError, match="needs TransformerEngine"):
+        lora.te.Linear()
+    model = configs["gpt_small"].model
+    assert model.transformer_layer_spec is local_layer_spec
+    assert not any(getattr(model, f) for f in compat.FUSIONS_NEEDING_KERNELS)
+
+
+def test_compile_helpers_is_skipped_when_the_wheel_ships_them():
+    from pathlib import Path
+
+    import megatron.bridge.training.initialize as initialize
+    import megatron.core.datasets as datasets
+
+    shipped = not (Path(datasets.__file__).parent / "Makefile").exists()
+    assert compat.skip_compile_helpers_if_prebuilt() is shipped
+    if shipped:
+        assert initialize.compile_helpers() is None  # no `make`, no sys.exit(1)
+
+
+def test_check_accepts_a_layout_that_fits(capsys):
+    assert main(["--check", "--recipe", "deepseek_v2_lite", "--nodes", "2", "--gpus-per-node", "8"]) == 0
+    assert "TP 8 x PP 1 x CP 1, EP 2 (expert TP 8), global batch 64, micro batch 1, DP 2 fits 16" in (
+        capsys.readouterr().err
+    )
+
+
+def test_a_layout_that_does_not_fit_exits_2_before_any_ray(capsys):
+    import ray
+
+    assert main(["--recipe", "deepseek_v2_lite", "--nodes", "1", "--gpus-per-node", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "TP 8 must fit within one node of 4 GPUs" in err
+    assert "TP 8 x PP 1 x CP 1 = 8 does not divide world size 4 (--nodes 1 x --gpus-per-node 4)" in err
+    assert not ray.is_initialized()
+
+
+def test_unknown_recipe_lists_the_available_ones(capsys):
+    assert main(["--recipe", "gpt_huge"]) == 2
+    assert "unknown recipe 'gpt_huge'; choose one of deepseek_v2_lite, gpt_small, llama3_8b, qwen3_8b" in (
+        capsys.readouterr().err
+    )
+
+
+def test_recipes_are_found_in_the_checkout_or_a_wheel(tmp_path):
+    from launcher import recipes
+
+    assert recipes.recipe_dirs()[0].name == "recipes"
+    copy = tmp_path / "mine.yaml"
+    shutil.copy(recipes.recipe_dirs()[0] / "gpt_small.yaml", copy)
+    assert load_recipe(str(copy)).name == "mine"
