@@ -50,19 +50,47 @@ def main(argv: list[str] | None = None) -> int:
 
         result = launch(spec)
         if spec.dry_run:
-            views = result.returns
-            log.info(
-                "dry run passed: %d ranks on %d node(s) joined %s over gloo, all-reduce gave %d on "
-                "every rank, LOCAL_RANK unique per node",
-                result.world_size,
-                spec.nodes,
-                views[0]["master"],
-                views[0]["all_reduce"],
-            )
+            return _report_dry_run(result.returns, spec.nodes)
     except RankFailedError as e:
         print(e.report(), file=sys.stderr, flush=True)
         return e.exit_code
     except MegarayError as e:
         log.error("%s", e)
         return e.exit_code
+    return 0
+
+
+def _report_dry_run(views: list[dict], nodes: int) -> int:
+    log.info(
+        "dry run passed: %d ranks on %d node(s) joined %s over gloo, all-reduce gave %d on every rank, "
+        "LOCAL_RANK unique per node",
+        len(views),
+        nodes,
+        views[0]["master"],
+        views[0]["all_reduce"],
+    )
+    trained = [v["training"] for v in views if v.get("training") and v["training"]["losses"]]
+    if not trained:
+        log.info(
+            "megatron-core is not installed: install megaray[megatron] to also train a tiny Megatron GPT"
+        )
+        return 0
+    first = trained[0]
+    curve = first["losses"]
+    # The ranks of the last pipeline stage (each TP rank, each DP replica) must report the same
+    # loss: TP ranks compute it together and DP replicas average their gradients every step.
+    for other in trained[1:]:
+        theirs = other["losses"]
+        if len(theirs) != len(curve) or any(
+            abs(a - b) > 1e-3 * abs(a) for a, b in zip(curve, theirs, strict=False)
+        ):
+            log.error("dry run failed: ranks %d and %d disagree on the loss: %s vs %s",
+                      first["rank"], other["rank"], curve, theirs)  # fmt: skip
+            return 1
+    shown = " ".join(f"{x:.2f}" for x in curve[:: max(1, len(curve) // 5)])
+    log.info(
+        "Megatron GPT trained on CPU with TP %d x PP %d x DP %d: loss %.2f -> %.2f over %d steps (%s); "
+        "the %d ranks of the last stage agree",
+        first["tp"], first["pp"], first["dp"], curve[0], curve[-1], len(curve), shown, len(trained),
+    )  # fmt: skip
     return 0

@@ -2,15 +2,28 @@
 
 Each rank joins the process group from the env the launcher set (init_method env://), all-reduces,
 compares every rank's view of the world, and meets at a barrier. A wrong contract fails here with
-a message that names the variable, before any GPU job would have hung.
+a message that names the variable, before any GPU job would have hung. Where megatron-core is
+installed, the ranks then train a tiny Megatron GPT together (see tiny_gpt.py).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 from datetime import timedelta
 from typing import Any
+
+
+def check_and_train() -> dict[str, Any]:
+    result = check()
+    if importlib.util.find_spec("megatron.core") is not None:
+        from .tiny_gpt import train
+
+        result["training"] = train()
+    else:
+        result["training"] = None
+    return result
 
 
 def check(timeout_s: float = 60.0) -> dict[str, Any]:

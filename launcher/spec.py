@@ -50,11 +50,12 @@ class Target:
             "module": f"-m {self.name}",
             "entrypoint": self.name,
             "megatron": f"Megatron-Bridge pretrain(), recipe {self.name}",
+            "dryrun": "dry run (rendezvous check, then a tiny Megatron GPT where megatron-core is installed)",
         }
-        return " ".join([shown.get(self.kind, "dry-run check"), *self.args])
+        return " ".join([shown[self.kind], *self.args])
 
 
-DRY_RUN_TARGET = Target("dryrun", "launcher.dryrun:check")
+DRY_RUN_TARGET = Target("dryrun", "launcher.dryrun:check_and_train")
 
 
 @dataclass(frozen=True)

@@ -163,9 +163,9 @@ def run_target(target: Target, cwd: str) -> Any:
     if os.path.isdir(cwd):
         os.chdir(cwd)
     if target.kind == "dryrun":
-        from .dryrun import check
+        from .dryrun import check_and_train
 
-        return check()
+        return check_and_train()
     if target.kind == "megatron":
         from .bridge_target import pretrain_recipe
 
