@@ -78,3 +78,8 @@ def wait_forever():
     """Report the pid and block: the test kills or interrupts from outside."""
     _write("pid", {"pid": os.getpid()})
     time.sleep(600)
+
+
+def dump_profile():
+    """Every variable of the rank's environment, to compare with a profile."""
+    _write("profile", dict(os.environ))

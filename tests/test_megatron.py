@@ -153,3 +153,34 @@ def test_recipes_are_found_in_the_checkout_or_a_wheel(tmp_path):
     copy = tmp_path / "mine.yaml"
     shutil.copy(recipes.recipe_dirs()[0] / "gpt_small.yaml", copy)
     assert load_recipe(str(copy)).name == "mine"
+
+
+def test_cpu_adaptation_touches_only_megatron_modules():
+    """In a fresh process: global torch keeps its CUDA behaviour, megatron modules get the proxy."""
+    import subprocess
+
+    code = """
+import torch, megatron.core.utils as mu, megatron.core.pipeline_parallel.schedules as sch
+from megatron.core.tensor_parallel import random
+from launcher.cpu_megatron import adapt_megatron_to_cpu, CpuRNGStatesTracker
+adapt_megatron_to_cpu()
+assert mu.torch is not torch and sch.torch is not torch
+assert mu.torch.cuda.current_device() == torch.device("cpu")
+assert mu.torch.empty(2, device="cuda").device.type == "cpu"
+assert torch.cuda.current_device is torch.cuda.__dict__["current_device"]  # global torch untouched
+try:
+    torch.empty(2, device="cuda")
+    raise SystemExit("global torch was redirected")
+except (RuntimeError, AssertionError):
+    pass
+tracker = random.get_cuda_rng_tracker()
+assert isinstance(tracker, CpuRNGStatesTracker)
+tracker.add("model-parallel-rng", 7)
+before = torch.get_rng_state()
+with tracker.fork():
+    a = torch.rand(1)
+assert torch.equal(before, torch.get_rng_state())
+print("ok")
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout + p.stderr

@@ -264,3 +264,20 @@ def test_port_reservations_are_exclusive_across_jobs():
     assert ports.reserve("10.9.9.9", [21001, 21002], "job-c") is None
     ports.release("10.9.9.9", 21001)
     assert ports.reserve("10.9.9.9", [21001, 21002], "job-c") == 21001
+
+
+@pytest.mark.parametrize("profile", ["efa", "infiniband", "tcp", "cpu"])
+def test_each_env_profile_reaches_every_rank(profile, tmp_path):
+    from launcher.profiles import load_profile
+
+    out = tmp_path / "out"
+    assert launch(f"profile-{profile}", "--device", "cpu", "--gpus-per-node", "2", "--env-profile", profile,
+                  "--entrypoint", "tests.targets:dump_profile", out=out) == 0  # fmt: skip
+    want = load_profile(profile)
+    for seen in read_ranks(out, "profile", 2):
+        assert {k: seen[k] for k in want} == want
+
+
+def test_the_torchrun_example_runs_unchanged(capfd):
+    assert launch("example", "--device", "cpu", "--gpus-per-node", "2", "examples/torchrun_script.py",
+                  "--steps", "2") == 0  # fmt: skip
