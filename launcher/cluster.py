@@ -83,7 +83,8 @@ def connect(spec: LaunchSpec) -> Iterator[Cluster]:
             _init(address=sim.address)
             cluster = Cluster(address=sim.address, fixed_size=True, simulated=True)
         else:
-            _init(include_dashboard=False)
+            # "local": a private Ray for this run, even when `ray start` left one on this machine
+            _init(address="local", include_dashboard=False)
             cluster = Cluster(address=ray.get_runtime_context().gcs_address, fixed_size=True)
         yield cluster
     finally:

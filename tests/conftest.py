@@ -57,6 +57,15 @@ def leftovers(job: str, wait_s: float = 10.0) -> tuple[list[str], list[str]]:
         time.sleep(0.2)
 
 
+def free_port() -> int:
+    """A port for a test's Ray dashboard, so tests run beside any other Ray on the machine."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def read_ranks(out: Path, name: str, world: int) -> list[dict]:
     return [json.loads((out / f"{name}-rank{r}.json").read_text()) for r in range(world)]
 

@@ -24,12 +24,15 @@ from .conftest import FIXTURES
 
 @pytest.fixture(scope="module")
 def configs():
-    """Every shipped recipe, built once (bridge takes ~20 s to import on 2 cores)."""
-    return {name: build_config(load_recipe(name), [])[0] for name in available_recipes()}
+    """Every shipped recipe, built once with a command-line override (bridge takes ~20 s to import)."""
+    return {
+        name: build_config(load_recipe(name), ["logger.log_interval=7"])[0] for name in available_recipes()
+    }
 
 
-def test_shipped_recipes(configs):
+def test_shipped_recipes_resolve_offline_with_overrides(configs):
     assert {"deepseek_v2_lite", "llama3_8b", "qwen3_8b", "gpt_small"} <= set(configs)
+    assert {name: cfg.logger.log_interval for name, cfg in configs.items()} == dict.fromkeys(configs, 7)
 
 
 def test_deepseek_v2_lite_has_the_model_card_and_the_recipe_values(configs):

@@ -21,7 +21,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launcher.cli import main
 
-from .conftest import REPO, leftovers, read_ranks
+from .conftest import REPO, free_port, leftovers, read_ranks
 
 pytestmark = pytest.mark.slow
 
@@ -32,7 +32,13 @@ NODE_A_ENV = {"OMP_NUM_THREADS": "3", "NCCL_DEBUG": "INFO"}
 def cluster():
     os.chdir(REPO)
     c = Cluster(
-        initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0, "include_dashboard": True}
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "num_gpus": 0,
+            "include_dashboard": True,
+            "dashboard_port": free_port(),
+        },
     )
     # Node A has 3 GPUs (one of them taken by someone else below) and its own environment.
     c.add_node(num_cpus=4, num_gpus=3, resources={"node_a": 1}, env_vars=NODE_A_ENV)

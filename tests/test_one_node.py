@@ -13,13 +13,14 @@ import ray
 
 from launcher.cli import main
 
-from .conftest import REPO, leftovers, read_ranks
+from .conftest import REPO, free_port, leftovers, read_ranks
 
 
 @pytest.fixture(scope="module", autouse=True)
 def one_node():
     os.chdir(REPO)  # entrypoints resolve from the working directory, as torchrun's scripts do
-    ray.init(num_cpus=4, num_gpus=2, namespace="megaray", include_dashboard=True)
+    ray.init(address="local", num_cpus=4, num_gpus=2, namespace="megaray", include_dashboard=True,
+             dashboard_port=free_port())  # fmt: skip
     yield
     ray.shutdown()
 
