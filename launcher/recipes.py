@@ -18,9 +18,9 @@ from pathlib import Path
 
 import yaml
 
+from .datafiles import available, data_dirs, load_yaml
 from .errors import UsageError
 
-_PKG = Path(__file__).resolve().parent
 _FUNCTION = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _OVERRIDE = re.compile(r"^[+~]{0,2}[A-Za-z_][\w.]*=")
 
@@ -35,11 +35,11 @@ class Recipe:
 
 
 def recipe_dirs() -> list[Path]:
-    return [d for d in (_PKG.parent / "recipes", _PKG / "_data" / "recipes") if d.is_dir()]
+    return data_dirs("recipes")
 
 
 def available_recipes() -> list[str]:
-    return sorted({p.stem for d in recipe_dirs() for p in d.glob("*.yaml")})
+    return available("recipes")
 
 
 def yaml_value(value: object) -> str:
@@ -54,19 +54,7 @@ def yaml_value(value: object) -> str:
 
 
 def load_recipe(name_or_path: str) -> Recipe:
-    path = Path(name_or_path)
-    if not (path.suffix in (".yaml", ".yml") and path.is_file()):
-        found = [d / f"{name_or_path}.yaml" for d in recipe_dirs() if (d / f"{name_or_path}.yaml").is_file()]
-        if not found:
-            raise UsageError(
-                f"unknown recipe {name_or_path!r}; choose one of {', '.join(available_recipes())} "
-                "or give a path to a recipe YAML file"
-            )
-        path = found[0]
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise UsageError(f"recipe {path} is not valid YAML: {e}".replace("\n", " ")) from None
+    path, data = load_yaml("recipes", name_or_path, "recipe")
     function = data.get("function") if isinstance(data, dict) else None
     if not isinstance(function, str) or not _FUNCTION.match(function):
         raise UsageError(

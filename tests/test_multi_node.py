@@ -25,6 +25,7 @@ from .conftest import REPO, free_port, leftovers, read_ranks
 
 pytestmark = pytest.mark.slow
 
+CPU_TWO_NODES = "--device cpu --nodes 2 --gpus-per-node 1"
 NODE_A_ENV = {"OMP_NUM_THREADS": "3", "NCCL_DEBUG": "INFO"}
 
 
@@ -149,7 +150,7 @@ def test_dry_run_across_two_nodes_trains_megatron(cluster, capsys):
     assert "the 2 ranks of the last stage agree" in err
 
 
-def _driver(cluster, job, *args, out=None):
+def _driver(cluster, job, args: str, out=None):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONUNBUFFERED"] = "1"
     extra = ["--env", f"MEGARAY_TEST_OUT={out}"] if out else []
@@ -173,18 +174,9 @@ def _driver(cluster, job, *args, out=None):
 
 
 def test_two_jobs_at_once_get_different_ports_and_both_succeed(cluster, tmp_path):
-    args = (
-        "--device",
-        "cpu",
-        "--nodes",
-        "2",
-        "--gpus-per-node",
-        "1",
-        "--entrypoint",
-        "tests.targets:gloo_allreduce",
-    )
-    a = _driver(cluster, "twin-a", *args, out=tmp_path / "a")
-    b = _driver(cluster, "twin-b", *args, out=tmp_path / "b")
+    args = f"{CPU_TWO_NODES} --entrypoint tests.targets:gloo_allreduce"
+    a = _driver(cluster, "twin-a", args, out=tmp_path / "a")
+    b = _driver(cluster, "twin-b", args, out=tmp_path / "b")
     out_a, out_b = a.communicate(timeout=180)[0], b.communicate(timeout=180)[0]
     assert (a.returncode, b.returncode) == (0, 0), out_a + out_b
     ports = {json.loads((tmp_path / j / "allreduce-rank0.json").read_text())["port"] for j in ("a", "b")}
@@ -196,19 +188,7 @@ def test_two_jobs_at_once_get_different_ports_and_both_succeed(cluster, tmp_path
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_to_the_driver_stops_every_rank(cluster, tmp_path, sig, code):
     job = f"sig{int(sig)}"
-    p = _driver(
-        cluster,
-        job,
-        "--device",
-        "cpu",
-        "--nodes",
-        "2",
-        "--gpus-per-node",
-        "1",
-        "--entrypoint",
-        "tests.targets:wait_forever",
-        out=tmp_path,
-    )
+    p = _driver(cluster, job, f"{CPU_TWO_NODES} --entrypoint tests.targets:wait_forever", out=tmp_path)
     deadline = time.monotonic() + 120
     while not all((tmp_path / f"pid-rank{r}.json").exists() for r in range(2)):
         assert p.poll() is None and time.monotonic() < deadline, (
