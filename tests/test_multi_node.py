@@ -154,17 +154,9 @@ def _driver(cluster, job, args: str, out=None):
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONUNBUFFERED"] = "1"
     extra = ["--env", f"MEGARAY_TEST_OUT={out}"] if out else []
+    argv = [sys.executable, str(REPO / "main.py"), "--job-name", job, "--address", cluster.address, *extra]
     return subprocess.Popen(
-        [
-            sys.executable,
-            str(REPO / "main.py"),
-            "--job-name",
-            job,
-            "--address",
-            cluster.address,
-            *extra,
-            *args,
-        ],
+        [*argv, *args.split()],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,
