@@ -1,0 +1,55 @@
+"""Shared by the benchmarks: timing commands, a real `ray start` head, summary statistics."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+PY = sys.executable
+
+
+def clean_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def summary(values: list[float]) -> str:
+    if not values:
+        return "n/a"
+    return f"{statistics.median(values):.2f} (min {min(values):.2f}, max {max(values):.2f}, n={len(values)})"
+
+
+def median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+@contextlib.contextmanager
+def ray_cluster(nodes: int, cpus_per_node: int, gpus_per_node: int = 0) -> Iterator[str]:
+    """A running Ray cluster of `nodes` simulated nodes (the first is the head), stopped afterwards;
+    yields its address. Only its own processes are stopped, never another Ray on the machine."""
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    args = {"num_cpus": cpus_per_node, "num_gpus": gpus_per_node}
+    cluster = Cluster(initialize_head=True, head_node_args={**args, "include_dashboard": False})
+    for _ in range(nodes - 1):
+        cluster.add_node(**args)
+    cluster.wait_for_nodes()
+    try:
+        yield cluster.address
+    finally:
+        cluster.shutdown()
+
+
+def timed(cmd: list[str], timeout: float = 600) -> tuple[float, subprocess.CompletedProcess]:
+    t0 = time.time()
+    p = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=timeout)
+    return t0, p

@@ -1,0 +1,65 @@
+"""Launch overhead against torchrun: from the command to every rank past init_process_group and a
+barrier, on CPU with gloo, for megaray attached to a running cluster, megaray starting its own
+local Ray, and `torchrun --standalone`, measured in the same run, repeated.
+
+    python bench/launch_overhead.py --ranks 2 4 8 16 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import tempfile
+from pathlib import Path
+
+from common import PY, REPO, median, ray_cluster, summary, timed
+
+TARGET = str(REPO / "bench" / "barrier.py")
+
+
+def one(cmd: list[str], ranks: int) -> float:
+    """Seconds from starting `cmd` to the last rank past the barrier."""
+    out = Path(tempfile.mkdtemp(prefix="megaray-barrier-"))
+    try:
+        t0, p = timed([*cmd, TARGET, "--out", str(out)])
+        if p.returncode != 0:
+            raise RuntimeError(
+                f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-3000:]}{p.stderr[-3000:]}"
+            )
+        stamps = [float(f.read_text()) for f in out.iterdir()]
+        if len(stamps) != ranks:
+            raise RuntimeError(f"{len(stamps)} of {ranks} ranks reported")
+        return max(stamps) - t0
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    megaray = [PY, str(REPO / "main.py"), "--device", "cpu", "--cpus-per-rank", "0.1"]
+    results: dict = {}
+    with ray_cluster(nodes=1, cpus_per_node=max(args.ranks)) as address:
+        for n in args.ranks:
+            modes = {
+                "torchrun": [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)],
+                "megaray-attached": [*megaray, "--address", address, "--gpus-per-node", str(n)],
+                "megaray-own-ray": [*megaray, "--gpus-per-node", str(n)],
+            }
+            times: dict[str, list[float]] = {m: [] for m in modes}
+            for _ in range(args.repeats):
+                for mode, cmd in modes.items():  # interleaved, so drift on a shared machine hits all
+                    times[mode].append(one(cmd, n))
+            results[n] = times
+            base = median(times["torchrun"])
+            print(f"{n} ranks:", flush=True)
+            for mode, ts in times.items():
+                diff = "" if mode == "torchrun" else f"  {median(ts) - base:+.2f} s vs torchrun"
+                print(f"  {mode:17s} {summary(ts)} s{diff}", flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()

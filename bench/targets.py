@@ -1,0 +1,21 @@
+"""Benchmark targets that import nothing heavy, so the launcher's own cost is what gets measured."""
+
+import os
+import sys
+import time
+
+
+def noop() -> int:
+    return int(os.environ["RANK"])
+
+
+def wait_forever() -> None:
+    """Write this rank's pid to <argv[1]>/pid-<rank>, then block until killed."""
+    out = sys.argv[1]
+    with open(os.path.join(out, f"pid-{os.environ['RANK']}"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(3600)
+
+
+if __name__ == "__main__":  # as a torchrun script
+    wait_forever()

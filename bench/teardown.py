@@ -1,0 +1,107 @@
+"""Failure teardown against torchrun: SIGKILL one rank, then time until every rank process is gone
+and (megaray) every actor and placement group of the job is removed and the driver has exited.
+
+    python bench/teardown.py --ranks 4 --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from common import PY, REPO, clean_env, median, ray_cluster, summary
+
+TARGET = str(REPO / "bench" / "targets.py")
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is gone for our purposes
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def once(cmd: list[str], ranks: int, job_groups=None) -> tuple[float, float]:
+    """(seconds from the kill to the last rank process gone, seconds to the driver's exit)."""
+    out = Path(tempfile.mkdtemp(prefix="megaray-teardown-"))
+    env = {**clean_env(), "BENCH_OUT": str(out)}
+    p = subprocess.Popen([*cmd, TARGET, str(out)], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        deadline = time.monotonic() + 300
+        while len(list(out.glob("pid-*"))) < ranks:
+            if p.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{' '.join(cmd)} ended before its ranks started")
+            time.sleep(0.02)
+        time.sleep(0.2)
+        pids = [int(f.read_text()) for f in sorted(out.glob("pid-*"))]
+        t0 = time.monotonic()
+        os.kill(pids[1], signal.SIGKILL)
+        gone = None
+        while gone is None or p.poll() is None:
+            if (
+                gone is None
+                and not any(_alive(pid) for pid in pids)
+                and (job_groups is None or not job_groups())
+            ):
+                gone = time.monotonic() - t0
+            if time.monotonic() - t0 > 60:
+                raise RuntimeError("teardown took over 60 s")
+            time.sleep(0.005)
+        return gone, time.monotonic() - t0
+    finally:
+        if p.poll() is None:
+            p.kill()
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--ranks", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args(argv)
+    n = args.ranks
+    res: dict[str, list[tuple[float, float]]] = {"torchrun": [], "megaray": []}
+    with ray_cluster(nodes=1, cpus_per_node=n) as address:
+        import ray
+
+        ray.init(address=address, log_to_driver=False)
+        try:
+
+            def groups(job):
+                return lambda: [g for g in ray.util.placement_group_table().values()
+                                if g["name"].startswith(job) and g["state"] != "REMOVED"]  # fmt: skip
+
+            for i in range(args.repeats):
+                res["torchrun"].append(
+                    once([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)], n)
+                )
+                job = f"teardown{i}"
+                cmd = [PY, str(REPO / "main.py"), "--address", address, "--job-name", job, "--device", "cpu",
+                       "--gpus-per-node", str(n), "--cpus-per-rank", "0.5"]  # fmt: skip
+                res["megaray"].append(once(cmd, n, groups(job)))
+        finally:
+            ray.shutdown()
+    print(f"{n} ranks, SIGKILL of rank 1 (seconds, median of {args.repeats}):", flush=True)
+    for name, runs in res.items():
+        what = "ranks gone + groups removed" if name == "megaray" else "ranks gone"
+        gone, exited = summary([r[0] for r in runs]), summary([r[1] for r in runs])
+        print(f"  {name:9s} {what}: {gone}; driver exited: {exited}")
+    ratio = median([r[0] for r in res["megaray"]]) / median([r[0] for r in res["torchrun"]])
+    print(f"  megaray/torchrun (ranks gone): {ratio:.2f}", flush=True)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""The benchmarks run, at a tiny size (no timing is asserted: numbers go to bench/RESULTS.md)."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.slow
+sys.path.insert(0, str(REPO / "bench"))
+
+
+def test_launch_overhead_runs_all_three_modes(capsys):
+    import launch_overhead
+
+    results = launch_overhead.main(["--ranks", "2", "--repeats", "1"])
+    assert set(results[2]) == {"torchrun", "megaray-attached", "megaray-own-ray"}
+    assert all(len(v) == 1 and v[0] > 0 for v in results[2].values())
+    assert "s vs torchrun" in capsys.readouterr().out
+
+
+def test_control_plane_reports_each_phase(capsys):
+    import control_plane
+
+    results = control_plane.main(["--layouts", "2x2", "--repeats", "1"])
+    run = results["2x2"]["megaray"][0]
+    assert 0 < run["placed"] <= run["actors_ready"] <= run["finished"] <= run["torn_down"]
+    assert "ms/rank" in capsys.readouterr().out
+
+
+def test_teardown_measures_both_launchers(capsys):
+    import teardown
+
+    results = teardown.main(["--ranks", "2", "--repeats", "1"])
+    assert all(gone > 0 for gone, _ in results["megaray"] + results["torchrun"])
+    assert "megaray/torchrun" in capsys.readouterr().out
+
+
+def test_gpu_parity_report_reads_megatron_logs(tmp_path, capsys):
+    import parity_report
+
+    line = (" {t} [2026-11-22] iteration {i:8d}/      40 | consumed samples: 8 | "
+            "elapsed time per iteration (ms): {ms} | lm loss: {loss} |\n")  # fmt: skip
+    for name, ms in (("torchrun", 480.0), ("megaray", 484.8)):
+        text = "".join(line.format(t=10 + i, i=i, ms=ms, loss=10.0 - i / 10) for i in range(1, 41))
+        (tmp_path / f"{name}.log").write_text(text)
+    sys.argv = ["parity_report", str(tmp_path / "torchrun.log"), str(tmp_path / "megaray.log")]
+    parity_report.main()
+    out = capsys.readouterr().out
+    assert "megaray/torchrun steady-state ratio: 1.0100" in out
