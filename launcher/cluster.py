@@ -26,7 +26,6 @@ class Cluster:
 
     address: str
     fixed_size: bool
-    simulated: bool = False
 
 
 def _reachable(address: str, timeout_s: float = 5.0) -> None:
@@ -81,7 +80,7 @@ def connect(spec: LaunchSpec) -> Iterator[Cluster]:
         elif spec.dry_run:
             sim = _simulate(spec)
             _init(address=sim.address)
-            cluster = Cluster(address=sim.address, fixed_size=True, simulated=True)
+            cluster = Cluster(address=sim.address, fixed_size=True)
         else:
             # "local": a private Ray for this run, even when `ray start` left one on this machine
             _init(address="local", include_dashboard=False)

@@ -131,7 +131,7 @@ def _top_level_names(path: str) -> set[str] | None:
     except (OSError, SyntaxError, ValueError):
         return None
     names: set[str] = set()
-    for node in ast.walk(tree):
+    for node in ast.walk(tree):  # nested names count too: a superset never rejects a real function
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             names.add(node.name)
         elif isinstance(node, (ast.Import, ast.ImportFrom)):
@@ -139,11 +139,9 @@ def _top_level_names(path: str) -> set[str] | None:
                 if alias.name == "*":
                     return None
                 names.add((alias.asname or alias.name).split(".")[0])
-        elif isinstance(node, (ast.Name,)) and isinstance(node.ctx, ast.Store):
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
             names.add(node.id)
-        elif isinstance(node, ast.FunctionDef) and node.name == "__getattr__":
-            return None
-    if "__getattr__" in names:
+    if "__getattr__" in names:  # a module-level __getattr__ can provide any name
         return None
     return names
 
@@ -203,7 +201,6 @@ class _Job:
         self.groups: list = []
         self.actors: list = []  # by rank
         self.slots: list[RankSlot] = []
-        self.run_refs: list = []
         self.port_reserved: tuple[str, int] | None = None
         self.t0 = time.monotonic()
         self.timings: dict[str, float] = {}
@@ -351,12 +348,12 @@ class _Job:
     def _supervise(self, infos: list[dict[str, Any]]) -> tuple[Any, ...]:
         """Wait for every rank; the first failure stops all of them (they would hang in collectives)."""
         spec = self.spec
-        self.run_refs = [a.run.remote(spec.target, spec.cwd) for a in self.actors]
+        run_refs = [a.run.remote(spec.target, spec.cwd) for a in self.actors]
         self._mark("started")
-        rank_of = {ref: r for r, ref in enumerate(self.run_refs)}
-        returns: list[Any] = [None] * len(self.run_refs)
+        rank_of = {ref: r for r, ref in enumerate(run_refs)}
+        returns: list[Any] = [None] * len(run_refs)
         failures: list[RankFailure] = []
-        pending = list(self.run_refs)
+        pending = list(run_refs)
         while pending:
             self.stop.check()
             done, pending = ray.wait(pending, num_returns=1, timeout=0.25)

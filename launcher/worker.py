@@ -7,6 +7,7 @@ both in `setup()`, after the actor has started and before the target imports any
 
 from __future__ import annotations
 
+import errno
 import importlib
 import os
 import runpy
@@ -54,7 +55,7 @@ def port_is_free(port: int) -> bool:
                     s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
                 s.bind(("::" if fam == socket.AF_INET6 else "0.0.0.0", port))
             except OSError as e:
-                if fam == socket.AF_INET6 and e.errno not in (98,):  # no IPv6 here: IPv4 decides
+                if fam == socket.AF_INET6 and e.errno != errno.EADDRINUSE:  # no IPv6 here: IPv4 decides
                     continue
                 return False
     return True
