@@ -20,7 +20,7 @@ def megaray_once(address: str, nodes: int, gpus: int) -> dict[str, float]:
     import ray
 
     sys.path.insert(0, str(REPO))
-    from launcher.launch import launch
+    from launcher.driver import launch
     from launcher.spec import spec_from_args
 
     os.chdir(REPO)

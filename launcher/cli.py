@@ -46,7 +46,7 @@ def main(argv: list[str] | None = None) -> int:
 
             preflight(spec)
             return 0
-        from .launch import launch  # imports ray: after the spec, so --help and bad input stay fast
+        from .driver import launch  # imports ray: after the spec, so --help and bad input stay fast
 
         result = launch(spec)
         if spec.dry_run:

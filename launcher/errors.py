@@ -39,7 +39,11 @@ class Interrupted(MegarayError):
 
     def __init__(self, signum: int, name: str):
         super().__init__(f"interrupted by {name}: stopped every rank and removed the placement groups")
+        self.signum, self.name = signum, name
         self.exit_code = 128 + signum
+
+    def __reduce__(self):
+        return (Interrupted, (self.signum, self.name))
 
 
 @dataclass(frozen=True)
@@ -73,6 +77,9 @@ class RankFailedError(MegarayError):
         super().__init__(
             f"rank {self.root.rank} on {self.root.node_ip} ({self.root.hostname}) failed: {self.root.summary}"
         )
+
+    def __reduce__(self):  # crosses process boundaries (Ray tasks, multiprocessing) intact
+        return (RankFailedError, (self.failures, self.world_size))
 
     def report(self) -> str:
         """The block printed at the end of a failed launch: root cause first, with its traceback."""

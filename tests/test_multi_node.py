@@ -206,3 +206,33 @@ def _wait_gone(pid: int, wait_s: float = 10.0) -> None:
             return
         time.sleep(0.1)
     raise AssertionError(f"rank process {pid} still running {wait_s}s after the driver stopped")
+
+
+def test_launch_from_python_returns_every_rank_and_raises_the_root_cause(cluster, out):
+    from launcher import RankFailedError, launch, spec_from_args
+
+    args = [
+        "--address",
+        cluster.address,
+        "--nodes",
+        "2",
+        "--gpus-per-node",
+        "2",
+        "--env",
+        f"MEGARAY_TEST_OUT={out}",
+    ]
+    result = launch(spec_from_args([*args, "--job-name", "api", "--entrypoint", "tests.targets:dump_env"]))
+    assert result.returns == (0, 1, 2, 3)
+    assert [(r.rank, r.node_rank, r.local_rank) for r in result.ranks] == [
+        (0, 0, 0),
+        (1, 0, 1),
+        (2, 1, 0),
+        (3, 1, 1),
+    ]
+    assert result.master_addr == result.ranks[0].node_ip and result.timings["finished"] > 0
+    with pytest.raises(RankFailedError) as err:
+        launch(
+            spec_from_args([*args, "--job-name", "apifail", "--entrypoint", "tests.targets:fail_on_rank_1"])
+        )
+    assert err.value.root.rank == 1 and "rank one refuses on purpose" in err.value.report()
+    assert leftovers("api") == ([], []) and leftovers("apifail") == ([], [])

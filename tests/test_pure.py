@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from launcher.cli import main
+from launcher.driver import check_target_locally
 from launcher.errors import RankFailedError, RankFailure, UsageError, describe_death
-from launcher.launch import check_target_locally
 from launcher.placement import nodes_that_fit
 from launcher.profiles import available_profiles, load_profile
 from launcher.rankenv import CONTRACT_KEYS, contract_env, decide_env, parse_env_pairs
@@ -346,3 +346,29 @@ def test_layout_problems_print_the_numbers():
     assert "global batch 10 is not a multiple of micro batch 4 x DP 1 = 4" in text
     assert "TP 4 does not divide the 6 attention heads" in text
     assert len(problems) == 6
+
+
+def test_failures_pickle_and_print_like_the_cli():
+    import pickle
+
+    from launcher.errors import Interrupted
+
+    err = RankFailedError(
+        [RankFailure(2, "10.0.0.3", "h", "1", "exception", "KeyError: 'x'", "tb", at=1.0)], 4
+    )
+    again = pickle.loads(pickle.dumps(err))
+    assert again.report() == err.report() and str(again) == str(err) and again.exit_code == 1
+    stopped = pickle.loads(pickle.dumps(Interrupted(15, "SIGTERM")))
+    assert stopped.exit_code == 143 and "SIGTERM" in str(stopped)
+
+
+def test_the_package_exports_its_public_names_without_importing_ray():
+    import subprocess
+    import sys
+
+    code = "import launcher, sys; assert 'ray' not in sys.modules; print(sorted(launcher.__all__))"
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    import launcher
+
+    assert callable(launcher.launch) and launcher.LaunchResult.__name__ == "LaunchResult"
