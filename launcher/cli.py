@@ -90,7 +90,7 @@ def _report_dry_run(views: list[dict], nodes: int) -> int:
     shown = " ".join(f"{x:.2f}" for x in curve[:: max(1, len(curve) // 5)])
     log.info(
         "Megatron GPT trained on CPU with TP %d x PP %d x DP %d: loss %.2f -> %.2f over %d steps (%s); "
-        "the %d ranks of the last stage agree",
+        "last-stage ranks agreeing: %d",
         first["tp"], first["pp"], first["dp"], curve[0], curve[-1], len(curve), shown, len(trained),
     )  # fmt: skip
     return 0
