@@ -30,6 +30,7 @@ __all__ = [
     "MegarayError",
     "RankFailedError",
     "RankFailure",
+    "RankGroup",
     "RankInfo",
     "Recipe",
     "ResourceError",
@@ -40,12 +41,12 @@ __all__ = [
     "spec_from_args",
 ]
 
-_LAZY = {"launch", "LaunchResult", "RankInfo"}
+_LAZY = {"launch": "driver", "LaunchResult": "driver", "RankInfo": "driver", "RankGroup": "group"}
 
 
 def __getattr__(name: str):
     if name in _LAZY:
-        from . import driver
+        import importlib
 
-        return getattr(driver, name)
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
     raise AttributeError(f"module 'launcher' has no attribute {name!r}")

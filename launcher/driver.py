@@ -202,6 +202,9 @@ class _Job:
         self.actors: list = []  # by rank
         self.slots: list[RankSlot] = []
         self.port_reserved: tuple[str, int] | None = None
+        self.infos: list[dict[str, Any]] = []  # what each rank's actor reported, by rank
+        self.ranks: tuple[RankInfo, ...] = ()
+        self.master: tuple[str, int] = ("", 0)
         self.t0 = time.monotonic()
         self.timings: dict[str, float] = {}
 
@@ -210,6 +213,17 @@ class _Job:
 
     # -- the launch, step by step ------------------------------------------------------------
     def execute(self) -> LaunchResult:
+        spec = self.spec
+        self.prepare()
+        returns = self.supervise([a.run.remote(spec.target, spec.cwd) for a in self.actors])
+        self._mark("finished")
+        log.info("all %d ranks finished in %.1f s", spec.world_size, self.timings["finished"])
+        return LaunchResult(
+            spec.job_name, spec.world_size, self.master[0], self.master[1], self.ranks, returns, self.timings
+        )
+
+    def prepare(self) -> None:
+        """Everything up to running the target: groups, actors, port, each rank's env."""
         spec = self.spec
         log.info(
             "job %s: %d node(s) x %d rank(s) = %d, target: %s",
@@ -234,12 +248,7 @@ class _Job:
         )
         self._log_topology(ranks, master_addr, master_port)
         self._log_env(decisions)
-        returns = self._supervise(infos)
-        self._mark("finished")
-        log.info("all %d ranks finished in %.1f s", spec.world_size, self.timings["finished"])
-        return LaunchResult(
-            spec.job_name, spec.world_size, master_addr, master_port, ranks, returns, self.timings
-        )
+        self.infos, self.ranks, self.master = infos, ranks, (master_addr, master_port)
 
     def _place(self) -> None:
         spec = self.spec
@@ -345,10 +354,10 @@ class _Job:
             )
         return decisions
 
-    def _supervise(self, infos: list[dict[str, Any]]) -> tuple[Any, ...]:
-        """Wait for every rank; the first failure stops all of them (they would hang in collectives)."""
-        spec = self.spec
-        run_refs = [a.run.remote(spec.target, spec.cwd) for a in self.actors]
+    def supervise(self, run_refs: list) -> tuple[Any, ...]:
+        """Wait for one call per rank; the first failure raises at once (the others would hang in
+        collectives: `launch` tears every rank down, a rank group leaves that to its owner)."""
+        spec, infos = self.spec, self.infos
         self._mark("started")
         rank_of = {ref: r for r, ref in enumerate(run_refs)}
         returns: list[Any] = [None] * len(run_refs)

@@ -30,14 +30,14 @@ class Target:
     `pkg.module:function` entrypoint, a Megatron-Bridge recipe (`args` are its overrides), or the
     built-in dry-run check."""
 
-    kind: str  # "script" | "module" | "entrypoint" | "megatron" | "dryrun"
+    kind: str  # "script" | "module" | "entrypoint" | "megatron" | "dryrun" | "group"
     name: str
     args: tuple[str, ...] = ()
     recipe: Recipe | None = None
     hf_path: str | None = None
 
     def __post_init__(self):
-        if self.kind not in ("script", "module", "entrypoint", "megatron", "dryrun"):
+        if self.kind not in ("script", "module", "entrypoint", "megatron", "dryrun", "group"):
             raise ValueError(f"unknown target kind {self.kind!r}")
         if self.kind == "entrypoint" and not _ENTRYPOINT.match(self.name):
             raise ValueError(f"--entrypoint {self.name!r} is not of the form pkg.module:function")
@@ -51,6 +51,7 @@ class Target:
             "entrypoint": self.name,
             "megatron": f"Megatron-Bridge pretrain(), recipe {self.name}",
             "dryrun": "dry run (rendezvous check, then a tiny Megatron GPT where megatron-core is installed)",
+            "group": "rank group (functions called from this process)",
         }
         return " ".join([shown[self.kind], *self.args])
 

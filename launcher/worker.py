@@ -118,8 +118,12 @@ class RankActor:
 
     def run(self, target: Target, cwd: str) -> dict[str, Any]:
         """Run the target to completion; a failure comes back as data with its traceback."""
+        return self.call(run_target, (target, cwd), {})
+
+    def call(self, fn, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """Run `fn(*args, **kwargs)` here (a rank group's method call), failures as data."""
         try:
-            value = run_target(target, cwd)
+            value = fn(*args, **kwargs)
             return {"ok": True, "value": value}
         except SystemExit as e:
             if e.code in (None, 0):

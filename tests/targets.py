@@ -83,3 +83,15 @@ def wait_forever():
 def dump_profile():
     """Every variable of the rank's environment, to compare with a profile."""
     _write("profile", dict(os.environ))
+
+
+def whoami(tag=None):
+    """For rank groups: which actor answered, and the env contract it carries."""
+    import ray
+
+    return {"rank": int(os.environ["RANK"]), "actor": ray.get_runtime_context().get_actor_id(), "tag": tag,
+            "local_rank": int(os.environ["LOCAL_RANK"]), "world": int(os.environ["WORLD_SIZE"])}  # fmt: skip
+
+
+def item_and_rank(item):
+    return {"item": item, "rank": int(os.environ["RANK"])}

@@ -236,3 +236,31 @@ def test_launch_from_python_returns_every_rank_and_raises_the_root_cause(cluster
         )
     assert err.value.root.rank == 1 and "rank one refuses on purpose" in err.value.report()
     assert leftovers("api") == ([], []) and leftovers("apifail") == ([], [])
+
+
+def test_rank_group_runs_many_calls_on_the_same_actors_and_frees_everything(cluster):
+    import gc
+
+    from launcher import RankGroup
+
+    from .targets import item_and_rank, whoami
+
+    group = RankGroup(nodes=2, gpus_per_node=2, address=cluster.address, job_name="group")
+    first, second = group.run_all(whoami, tag="a"), group.run_all(whoami, tag="b")
+    assert [w["rank"] for w in first] == [0, 1, 2, 3] and {w["world"] for w in first} == {4}
+    assert [w["actor"] for w in first] == [w["actor"] for w in second]  # the same actors, not new ones
+    assert [w["tag"] for w in second] == ["b"] * 4
+    assert [r["item"] for r in group.run_each(item_and_rank, ["w", "x", "y", "z"])] == ["w", "x", "y", "z"]
+    tied = group.run_each(item_and_rank, ["tp0", "tp1"], group_size=2)  # one result per group, its leader's
+    assert tied == [{"item": "tp0", "rank": 0}, {"item": "tp1", "rank": 2}]
+    with pytest.raises(ValueError, match="world size 4 / group size 2 = 2 items, got 3"):
+        group.run_each(item_and_rank, [1, 2, 3], group_size=2)
+    group.shutdown()
+    group.shutdown()  # idempotent
+    assert leftovers("group") == ([], [])
+
+    dropped = RankGroup(nodes=1, gpus_per_node=2, address=cluster.address, job_name="dropped")
+    assert len(dropped.run_all(whoami)) == 2
+    del dropped
+    gc.collect()
+    assert leftovers("dropped") == ([], [])

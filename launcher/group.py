@@ -1,0 +1,111 @@
+"""A rank group for the single-controller pattern: place and start one actor per rank once, then
+call functions on every rank many times (RL loops, sweeps, notebooks), and free it all at the end.
+
+The actors carry the same env contract and GPU mapping as a launch, so a function can join the
+process group from the env as any rank of `launch` would.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from .cluster import connect
+from .driver import RankInfo, _Job, _StopSignal
+from .profiles import load_profile
+from .spec import DEFAULT_PLACEMENT_TIMEOUT_S, LaunchSpec, Target, default_job_name
+
+GROUP_TARGET = Target("group", "rank group")
+
+
+def _release(job: _Job, stack: contextlib.ExitStack) -> None:
+    try:
+        job.teardown()
+    finally:
+        stack.close()
+
+
+class RankGroup:
+    """`RankGroup(nodes=2, gpus_per_node=8)`; then `run_all`, `run_each`; then `shutdown()`.
+
+    Dropping the object, or the interpreter exiting, frees the actors and placement groups too.
+    """
+
+    def __init__(
+        self,
+        nodes: int = 1,
+        gpus_per_node: int = 1,
+        *,
+        device: str = "gpu",
+        cpus_per_rank: float = 1.0,
+        address: str | None = None,
+        env: Mapping[str, str] | None = None,
+        env_profile: str | None = None,
+        job_name: str | None = None,
+        placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S,
+    ):
+        self.spec = LaunchSpec(
+            nodes=nodes,
+            gpus_per_node=gpus_per_node,
+            target=GROUP_TARGET,
+            device=device,
+            cpus_per_rank=cpus_per_rank,
+            address=address,
+            job_name=job_name or default_job_name(),
+            placement_timeout_s=placement_timeout_s,
+            env_profile=env_profile,
+            env=tuple((env or {}).items()),
+        )
+        profile = load_profile(env_profile) if env_profile else {}
+        stack = contextlib.ExitStack()
+        cluster = stack.enter_context(connect(self.spec))
+        self._job = _Job(self.spec, cluster, profile, _StopSignal())
+        try:
+            self._job.prepare()
+        except BaseException:
+            _release(self._job, stack)
+            raise
+        self._finalizer = weakref.finalize(self, _release, self._job, stack)
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size
+
+    @property
+    def ranks(self) -> tuple[RankInfo, ...]:
+        return self._job.ranks
+
+    @property
+    def actors(self) -> list:
+        return list(self._job.actors)
+
+    def run_all(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
+        """`fn(*args, **kwargs)` on every rank; the results by rank. A failing rank raises
+        RankFailedError (the group stays; call `shutdown()` if a rank died)."""
+        return list(self._job.supervise([a.call.remote(fn, args, kwargs) for a in self._job.actors]))
+
+    def run_each(self, fn: Callable[[Any], Any], items: Sequence[Any], *, group_size: int = 1) -> list[Any]:
+        """`fn(item)` with one item per `group_size` consecutive ranks (a tensor-parallel group when
+        TP = group_size): each rank of a group gets the same item, and only the group's first rank's
+        result is returned, one per item."""
+        world = self.world_size
+        if group_size < 1 or world % group_size or len(items) != world // group_size:
+            raise ValueError(
+                f"run_each needs world size {world} / group size {group_size} = "
+                f"{world // max(group_size, 1)} items, got {len(items)}"
+            )
+        refs = [a.call.remote(fn, (items[r // group_size],), {}) for r, a in enumerate(self._job.actors)]
+        results = self._job.supervise(refs)
+        return [results[r] for r in range(0, world, group_size)]
+
+    def shutdown(self) -> None:
+        """Kill every rank and remove every placement group (idempotent)."""
+        self._finalizer()
+
+    def __enter__(self) -> RankGroup:
+        return self
+
+    def __exit__(self, *_exc) -> None:
+        self.shutdown()
