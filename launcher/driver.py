@@ -193,8 +193,19 @@ def wait_all(refs: list, timeout_s: float, stop: _StopSignal, num_returns: int |
 
 
 class _Job:
-    def __init__(self, spec: LaunchSpec, cluster: Cluster, profile: dict[str, str], stop: _StopSignal):
+    def __init__(
+        self,
+        spec: LaunchSpec,
+        cluster: Cluster,
+        profile: dict[str, str],
+        stop: _StopSignal,
+        *,
+        gpu_share: float = 1.0,
+        colocate_with: _Job | None = None,
+    ):
         self.spec = spec
+        self.gpu_share = gpu_share  # of each rank's GPU (and CPUs) that this job's actor takes
+        self.host = colocate_with  # a job whose placement groups this one's actors share
         self.stop = stop
         self.cluster = cluster
         self.profile = profile
@@ -252,6 +263,10 @@ class _Job:
 
     def _place(self) -> None:
         spec = self.spec
+        if self.host is not None:  # colocated: the same bundles, so the same nodes, ranks and GPUs
+            self.groups, self.slots = self.host.groups, self.host.slots
+            self._mark("placed")
+            return
         problem = placement.feasibility_problem(spec)
         if problem and self.cluster.fixed_size:
             raise placement.resource_error(spec, 0, problem, placement.describe_nodes(), can_grow=False)
@@ -280,8 +295,8 @@ class _Job:
                 actor_cls.options(
                     name=f"{spec.job_name}-rank{s.rank}",
                     namespace=NAMESPACE,
-                    num_cpus=spec.cpus_per_rank,
-                    num_gpus=1 if spec.uses_gpus else 0,
+                    num_cpus=spec.cpus_per_rank * self.gpu_share,
+                    num_gpus=self.gpu_share if spec.uses_gpus else 0,
                     max_restarts=0,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         self.groups[s.group], placement_group_bundle_index=s.bundle
@@ -460,7 +475,8 @@ class _Job:
         for a in self.actors:
             with contextlib.suppress(Exception):
                 ray.kill(a, no_restart=True)
-        placement.remove_groups(self.groups)
+        if self.host is None:  # a colocated job leaves the groups to their owner
+            placement.remove_groups(self.groups)
         if self.port_reserved:
             ports.release(*self.port_reserved)
         self._mark("torn_down")

@@ -45,7 +45,25 @@ class RankGroup:
         env_profile: str | None = None,
         job_name: str | None = None,
         placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S,
+        gpu_share: float = 1.0,
+        colocate_with: RankGroup | None = None,
     ):
+        """`gpu_share` < 1 leaves room on each rank's GPU (and its CPUs) for another group created
+        with `colocate_with=this_group`: its ranks then run on exactly the same GPUs, rank for rank
+        (a trainer and a generator taking turns). Shut the colocated group down first."""
+        if not 0 < gpu_share <= 1:
+            raise ValueError(f"gpu_share must be within (0, 1], got {gpu_share}")
+        if colocate_with is not None:
+            host = colocate_with.spec
+            if (host.nodes, host.gpus_per_node) != (nodes, gpus_per_node):
+                raise ValueError(
+                    f"a colocated group has the layout of its host: {host.nodes} x {host.gpus_per_node}, "
+                    f"got {nodes} x {gpus_per_node}"
+                )
+            free = 1.0 - colocate_with._shares_used
+            if gpu_share > free + 1e-9:
+                raise ValueError(f"gpu_share {gpu_share} exceeds the {free:g} left on the host group's GPUs")
+            address, device, cpus_per_rank = host.address, host.device, host.cpus_per_rank
         self.spec = LaunchSpec(
             nodes=nodes,
             gpus_per_node=gpus_per_node,
@@ -61,12 +79,22 @@ class RankGroup:
         profile = load_profile(env_profile) if env_profile else {}
         stack = contextlib.ExitStack()
         cluster = stack.enter_context(connect(self.spec))
-        self._job = _Job(self.spec, cluster, profile, _StopSignal())
+        self._job = _Job(
+            self.spec,
+            cluster,
+            profile,
+            _StopSignal(),
+            gpu_share=gpu_share,
+            colocate_with=colocate_with._job if colocate_with is not None else None,
+        )
+        self._shares_used = gpu_share
         try:
             self._job.prepare()
         except BaseException:
             _release(self._job, stack)
             raise
+        if colocate_with is not None:
+            colocate_with._shares_used += gpu_share
         self._finalizer = weakref.finalize(self, _release, self._job, stack)
 
     @property

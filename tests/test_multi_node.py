@@ -264,3 +264,26 @@ def test_rank_group_runs_many_calls_on_the_same_actors_and_frees_everything(clus
     del dropped
     gc.collect()
     assert leftovers("dropped") == ([], [])
+
+
+def test_colocated_rank_groups_take_turns_on_the_same_gpus(cluster):
+    from launcher import RankGroup
+
+    from .targets import whoami
+
+    def gpus(group):
+        return [(r.node_ip, r.gpu, r.rank) for r in group.ranks]
+
+    trainer = RankGroup(nodes=2, gpus_per_node=2, address=cluster.address, job_name="trainer", gpu_share=0.5)
+    with pytest.raises(ValueError, match=r"gpu_share 0\.75 exceeds the 0\.5 left"):
+        RankGroup(nodes=2, gpus_per_node=2, colocate_with=trainer, gpu_share=0.75)
+    generator = RankGroup(
+        nodes=2, gpus_per_node=2, job_name="generator", gpu_share=0.5, colocate_with=trainer
+    )
+    assert gpus(generator) == gpus(trainer)  # rank for rank, the same node and GPU
+    assert [w["rank"] for w in generator.run_all(whoami)] == [w["rank"] for w in trainer.run_all(whoami)]
+    generator.shutdown()
+    assert leftovers("generator") == ([], [])
+    assert len(trainer.run_all(whoami)) == 4  # the host keeps its groups and actors
+    trainer.shutdown()
+    assert leftovers("trainer") == ([], [])
