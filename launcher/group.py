@@ -15,6 +15,7 @@ from typing import Any
 from .cluster import connect
 from .driver import RankInfo, _Job, _StopSignal
 from .profiles import load_profile
+from .rankenv import check_user_env
 from .spec import DEFAULT_PLACEMENT_TIMEOUT_S, LaunchSpec, Target, default_job_name
 
 GROUP_TARGET = Target("group", "rank group")
@@ -51,6 +52,7 @@ class RankGroup:
         """`gpu_share` < 1 leaves room on each rank's GPU (and its CPUs) for another group created
         with `colocate_with=this_group`: its ranks then run on exactly the same GPUs, rank for rank
         (a trainer and a generator taking turns). Shut the colocated group down first."""
+        check_user_env(env or {}, "env")
         if not 0 < gpu_share <= 1:
             raise ValueError(f"gpu_share must be within (0, 1], got {gpu_share}")
         if colocate_with is not None:
