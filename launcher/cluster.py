@@ -83,6 +83,7 @@ def connect(spec: LaunchSpec) -> Iterator[Cluster]:
             cluster = Cluster(address=sim.address, fixed_size=True)
         else:
             # "local": a private Ray for this run, even when `ray start` left one on this machine
+            log.info("starting a local Ray for this run (attach to a running cluster with --address)")
             _init(address="local", include_dashboard=False)
             cluster = Cluster(address=ray.get_runtime_context().gcs_address, fixed_size=True)
         yield cluster
