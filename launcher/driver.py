@@ -179,9 +179,9 @@ class _StopSignal:
                 signal.signal(s, h)
 
 
-def wait_all(refs: list, timeout_s: float, stop: _StopSignal, num_returns: int | None = None) -> list:
-    """`ray.wait` for `num_returns` (default all) refs, in slices so a stop signal is seen quickly."""
-    want = len(refs) if num_returns is None else num_returns
+def wait_all(refs: list, timeout_s: float, stop: _StopSignal) -> list:
+    """`ray.wait` for all refs, in slices so a stop signal is seen quickly; returns the ready ones."""
+    want = len(refs)
     deadline = time.monotonic() + timeout_s
     ready: list = []
     while True:
@@ -331,12 +331,12 @@ class _Job:
                 "another port or leave --master-port out to pick a free one"
             )
         port = ports.reserve(master_addr, found, spec.job_name)
-        if port is None and spec.master_port is not None:
-            port = spec.master_port  # asked for explicitly: another job's reservation does not bind it
-        if port is None:
-            raise ResourceError(f"no free port for MASTER_PORT on {master_addr}; pass --master-port")
-        self.port_reserved = (master_addr, port)
-        return port
+        if port is not None:
+            self.port_reserved = (master_addr, port)  # ours to release at teardown
+            return port
+        if spec.master_port is not None:
+            return spec.master_port  # asked for explicitly: another job's reservation does not bind it
+        raise ResourceError(f"no free port for MASTER_PORT on {master_addr}; pass --master-port")
 
     def _decide_envs(
         self, infos: list[dict[str, Any]], master_addr: str, master_port: int
@@ -372,7 +372,7 @@ class _Job:
     def supervise(self, run_refs: list) -> tuple[Any, ...]:
         """Wait for one call per rank; the first failure raises at once (the others would hang in
         collectives: `launch` tears every rank down, a rank group leaves that to its owner)."""
-        spec, infos = self.spec, self.infos
+        spec = self.spec
         self._mark("started")
         rank_of = {ref: r for r, ref in enumerate(run_refs)}
         returns: list[Any] = [None] * len(run_refs)
@@ -384,7 +384,7 @@ class _Job:
             if not done:
                 continue
             for ref in done:
-                self._collect(ref, rank_of[ref], infos, returns, failures)
+                self._collect(ref, rank_of[ref], returns, failures)
             if failures:
                 # Peers of a dead rank fail a moment later with connection errors: gather what arrives
                 # within a short window, so the root cause is the rank that failed first.
@@ -394,12 +394,13 @@ class _Job:
                     else []
                 )
                 for ref in more:
-                    self._collect(ref, rank_of[ref], infos, returns, failures)
+                    self._collect(ref, rank_of[ref], returns, failures)
                 raise RankFailedError(failures, spec.world_size)
         return tuple(returns)
 
-    def _collect(self, ref, rank: int, infos, returns: list, failures: list[RankFailure]) -> bool:
-        info = infos[rank]
+    def _collect(self, ref, rank: int, returns: list, failures: list[RankFailure]) -> None:
+        """The rank's return value into `returns`, or its failure into `failures`."""
+        info = self.infos[rank]
         where = {
             "rank": rank,
             "node_ip": info["node_ip"],
@@ -412,17 +413,17 @@ class _Job:
             failures.append(
                 RankFailure(**where, kind="died", summary=_death_summary(e, info), at=time.time())
             )
-            return False
+            return
         except ray.exceptions.RayError as e:
             failures.append(
                 RankFailure(
                     **where, kind="exception", summary=_first_line(e), traceback=str(e), at=time.time()
                 )
             )
-            return False
+            return
         if out["ok"]:
             returns[rank] = out["value"]
-            return True
+            return
         failures.append(
             RankFailure(
                 **where,
@@ -433,7 +434,6 @@ class _Job:
                 at=out["at"],
             )
         )
-        return False
 
     # -- logging -------------------------------------------------------------------------------
     def _log_topology(self, ranks: tuple[RankInfo, ...], master_addr: str, master_port: int) -> None:

@@ -96,7 +96,6 @@ class RankActor:
             "ray_version": ray.__version__,
             "python_version": ".".join(map(str, sys.version_info[:3])),
             "inherited_env": inherited_env(),
-            "torch_imported": "torch" in sys.modules,
         }
 
     def free_ports(self, seed: str, count: int, exact: int | None = None) -> list[int]:
