@@ -7,6 +7,7 @@ import os
 import sys
 
 from .errors import MegarayError, RankFailedError
+from .jobs import JOB_COMMANDS
 from .spec import spec_from_args
 
 log = logging.getLogger("megaray")
@@ -24,10 +25,18 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
+class _Formatter(logging.Formatter):
+    """`megaray: ...`, and `megaray: error: ...` for errors, so a failure's line can be found in logs."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        prefix = "megaray: error: " if record.levelno >= logging.ERROR else "megaray: "
+        return prefix + record.getMessage()
+
+
 def _setup_logging() -> None:
     if not log.handlers:
         handler = _StderrHandler()
-        handler.setFormatter(logging.Formatter("megaray: %(message)s"))
+        handler.setFormatter(_Formatter())
         log.addHandler(handler)
         log.setLevel(logging.INFO)
         log.propagate = False
@@ -39,8 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     # Ray reads this when it is imported: without it, identical lines from several ranks are folded
     # into one "[repeated Nx across cluster]" and per-rank output is lost.
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    argv = sys.argv[1:] if argv is None else argv
     try:
-        spec = spec_from_args(sys.argv[1:] if argv is None else argv)
+        if argv and argv[0] in JOB_COMMANDS:
+            from .jobs import main as job_main
+
+            return job_main(argv)
+        spec = spec_from_args(argv)
         if spec.check_only:
             from .preflight import preflight
 

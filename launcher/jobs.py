@@ -1,0 +1,496 @@
+"""`megaray submit | status | logs | stop | list`: the same launch, run as a Ray job.
+
+On a shared cluster the driver should not live on a laptop or a login node: the launch becomes the
+entrypoint of a Ray job (`python -m launcher ...` on the head), submitted through the dashboard's job
+API. The launch arguments are parsed here first, so bad input never creates a job; Ctrl-C stops the
+job on the cluster instead of only detaching from its logs, as `ray job submit` would.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import re
+import shlex
+import signal
+import sys
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from .errors import ClusterError, UsageError
+from .spec import LaunchSpec, spec_from_args
+
+log = logging.getLogger("megaray")
+
+JOB_COMMANDS = ("submit", "status", "logs", "stop", "list")
+
+# Never worth shipping to the cluster: version control, environments, caches, training outputs and
+# weights. Patterns use .gitignore syntax relative to the working directory (Ray's `excludes`).
+DEFAULT_EXCLUDES = (
+    ".git", ".hg", ".svn", ".venv", "venv", ".env", "__pycache__", "*.pyc", ".pytest_cache",
+    ".ruff_cache", ".mypy_cache", ".ipynb_checkpoints", ".tox", "node_modules",
+    "checkpoints", "checkpoint", "ckpt", "runs", "wandb", "mlruns", "nemo_experiments", "outputs",
+    "*.pt", "*.pth", "*.ckpt", "*.safetensors", "*.distcp", "*.gguf",
+)  # fmt: skip
+LARGE_FILE_BYTES = 50 * 1024 * 1024
+STOP_WAIT_S = 60.0
+
+
+@dataclass(frozen=True)
+class SubmitSpec:
+    """A launch to run as a Ray job; built by `submit_spec_from_args`, used unchanged."""
+
+    launch: LaunchSpec
+    launch_argv: tuple[str, ...]
+    address: str | None = None  # None: RAY_API_SERVER_ADDRESS, RAY_ADDRESS, then Ray's default
+    working_dir: str | None = None
+    runtime_env: Mapping[str, Any] = field(default_factory=dict)
+    wait: bool = True
+
+    @property
+    def submission_id(self) -> str:
+        return self.launch.job_name
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        raise UsageError(f"{message} (see {self.prog} --help)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(prog="megaray", description="Run a launch as a Ray job, and follow or stop it.")
+    sub = p.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    addr = "Ray dashboard address, e.g. http://HEAD:8265 (default: RAY_API_SERVER_ADDRESS, else RAY_ADDRESS)"
+
+    s = sub.add_parser(
+        "submit",
+        help="submit a launch as a Ray job and stream its logs",
+        usage="megaray submit [--address URL] [--working-dir DIR] [--runtime-env-json JSON] [--no-wait] "
+        "-- <launch arguments>",
+    )
+    s.add_argument("--address", help=addr)
+    s.add_argument(
+        "--working-dir", help="folder to upload; the job runs in it (caches, venvs, .git left out)"
+    )
+    s.add_argument("--runtime-env-json", help="Ray runtime_env as JSON (pip, env_vars, py_modules, ...)")
+    s.add_argument("--no-wait", action="store_true", help="print the job id and return")
+
+    for name, what in (("status", "show a job's status"), ("stop", "stop a job and wait until it ended")):
+        c = sub.add_parser(name, help=what)
+        c.add_argument("job")
+        c.add_argument("--address", help=addr)
+    c = sub.add_parser("logs", help="print a job's logs")
+    c.add_argument("job")
+    c.add_argument("--address", help=addr)
+    c.add_argument(
+        "-f", "--follow", action="store_true", help="stream until the job ends; exit with its status"
+    )
+    c = sub.add_parser("list", help="list the cluster's jobs")
+    c.add_argument("--address", help=addr)
+    return p
+
+
+def submit_spec_from_args(
+    argv: list[str], environ: Mapping[str, str] | None = None, cwd: str | None = None
+) -> SubmitSpec:
+    """Parse `submit` and check the launch arguments here, before anything reaches the cluster."""
+    environ = os.environ if environ is None else environ
+    own = argv[: argv.index("--")] if "--" in argv else argv
+    if "-h" in own or "--help" in own:
+        build_parser().parse_args(["submit", "--help"])  # prints the help and exits 0
+    if "--" not in argv:
+        raise UsageError(
+            "put the launch arguments after --, e.g. megaray submit --working-dir . -- --nodes 2 "
+            "--gpus-per-node 8 train.py"
+        )
+    cut = argv.index("--")
+    args = build_parser().parse_args(["submit", *argv[:cut]])
+    launch_argv = argv[cut + 1 :]
+    runtime_env = _parse_runtime_env(args.runtime_env_json)
+    working_dir = args.working_dir
+    if working_dir and "working_dir" in runtime_env:
+        raise UsageError(
+            "the working directory is given twice: use --working-dir or runtime_env's working_dir"
+        )
+    working_dir = working_dir or runtime_env.pop("working_dir", None)
+    local_dir = working_dir if working_dir and "://" not in working_dir else None
+    if local_dir and not Path(local_dir).is_dir():
+        raise UsageError(f"--working-dir {working_dir} is not a folder")
+    # Inside the job RAY_ADDRESS names the cluster it runs on: the launch must not name another.
+    launch = spec_from_args(launch_argv, environ={}, cwd=str(Path(local_dir).resolve()) if local_dir else cwd)
+    if launch.address:
+        raise UsageError("a submitted launch runs on the cluster it is submitted to: drop --address after --")
+    _check_target(launch, local_dir, bool(working_dir))
+    if local_dir:
+        runtime_env["working_dir"] = str(Path(local_dir).resolve())
+        runtime_env["excludes"] = package_excludes(Path(local_dir), runtime_env.get("excludes", []))
+    elif working_dir:
+        runtime_env["working_dir"] = working_dir
+    return SubmitSpec(
+        launch=launch,
+        launch_argv=tuple(launch_argv),
+        address=args.address or environ.get("RAY_API_SERVER_ADDRESS") or environ.get("RAY_ADDRESS") or None,
+        working_dir=working_dir,
+        runtime_env=runtime_env,
+        wait=not args.no_wait,
+    )
+
+
+def _parse_runtime_env(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        env = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--runtime-env-json is not valid JSON: {e}") from None
+    if not isinstance(env, dict):
+        raise UsageError('--runtime-env-json must be a JSON object such as \'{"pip": ["pkg"]}\'')
+    return env
+
+
+def _check_target(launch: LaunchSpec, local_dir: str | None, has_working_dir: bool) -> None:
+    """A script must be in the uploaded folder; a module or entrypoint there must define the function."""
+    from .driver import check_target_locally
+
+    target = launch.target
+    if target.kind == "script" and not os.path.isabs(target.name):
+        if not has_working_dir:
+            raise UsageError(
+                f"script {target.name} is a relative path but nothing is uploaded: add --working-dir with "
+                "the folder that holds it"
+            )
+        if local_dir:
+            check_target_locally(target, str(Path(local_dir).resolve()))
+    elif target.kind in ("module", "entrypoint"):
+        try:
+            check_target_locally(target, str(Path(local_dir or ".").resolve()))
+        except UsageError as e:
+            if "no module named" not in str(e):
+                raise
+            log.warning("%s is not here; submitting anyway, assuming the cluster has it", target.name)
+
+
+def package_excludes(root: Path, user_excludes: list[str] | tuple[str, ...] = ()) -> list[str]:
+    """Ray `excludes` for uploading `root`: the defaults, virtualenvs under any name, files over 50 MiB.
+
+    Large files are named in a warning: they are usually weights or data that belong on shared
+    storage, and Ray refuses a package over its 512 MiB message limit anyway.
+    """
+    excludes = [*DEFAULT_EXCLUDES, *user_excludes]
+    skip_names = {e for e in DEFAULT_EXCLUDES if "*" not in e}
+    large: list[tuple[str, int]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        here = Path(dirpath)
+        for d in list(dirnames):
+            if d in skip_names:
+                dirnames.remove(d)
+            elif (here / d / "pyvenv.cfg").is_file():  # a virtualenv, whatever its name
+                excludes.append("/" + (here / d).relative_to(root).as_posix())
+                dirnames.remove(d)
+        for f in filenames:
+            try:
+                size = (here / f).stat().st_size
+            except OSError:
+                continue
+            if size > LARGE_FILE_BYTES:
+                rel = (here / f).relative_to(root).as_posix()
+                large.append((rel, size))
+                excludes.append("/" + rel)
+    if large:
+        shown = ", ".join(f"{p} ({s / 2**20:.0f} MiB)" for p, s in sorted(large))
+        log.warning(
+            "not uploading files over %d MiB: %s; put them on shared storage",
+            LARGE_FILE_BYTES // 2**20,
+            shown,
+        )
+    return excludes
+
+
+def job_entrypoint(spec: SubmitSpec) -> str:
+    """The shell command the job runs on the head: this launch, named after the submission."""
+    argv = list(spec.launch_argv)
+    if "--job-name" not in argv and not any(a.startswith("--job-name=") for a in argv):
+        argv = ["--job-name", spec.submission_id, *argv]
+    return shlex.join(["python", "-m", "launcher", *argv])
+
+
+def job_metadata(spec: SubmitSpec) -> dict[str, str]:
+    """What was asked, readable with `megaray status` and the dashboard (values must be strings)."""
+    launch = spec.launch
+    return {
+        "megaray.version": _version(),
+        "megaray.layout": f"{launch.nodes}x{launch.gpus_per_node} {launch.device}",
+        "megaray.target": launch.target.describe(),
+        "megaray.argv": json.dumps(list(spec.launch_argv)),
+    }
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megaray")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+def auth_headers(environ: Mapping[str, str], home: Path | None = None) -> dict[str, str]:
+    """The bearer token for a cluster with Ray's token authentication, found where Ray looks for it.
+
+    Ray's own job client sends it only when RAY_AUTH_MODE=token is set; `ray start` turns token
+    mode on whenever a token is present, so do the same: RAY_AUTH_TOKEN, then the file named by
+    RAY_AUTH_TOKEN_PATH, then ~/.ray/auth_token. RAY_AUTH_MODE=disabled sends none.
+    """
+    if environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+        return {}
+    token = environ.get("RAY_AUTH_TOKEN", "").strip()
+    if not token:
+        path = Path(environ.get("RAY_AUTH_TOKEN_PATH") or (home or Path.home()) / ".ray" / "auth_token")
+        try:
+            token = path.read_text().strip()
+        except OSError:
+            token = ""
+    return {"Authorization": f"Bearer {token}"} if token else {}
+
+
+def root_cause(logs: str) -> str | None:
+    """The one line that says why a job failed, from its logs."""
+    lines = logs.splitlines()
+    if "Root cause (first failure):" in lines:
+        i = lines.index("Root cause (first failure):")
+        fields = {}
+        for ln in lines[i + 1 : i + 8]:
+            m = re.match(r"\s+(rank|node|what)\s+: (.*)", ln)
+            if m:
+                fields[m.group(1)] = m.group(2)
+        if fields:
+            return f"rank {fields.get('rank', '?')} on {fields.get('node', '?')}: {fields.get('what', '?')}"
+    for ln in reversed(lines):
+        if ln.startswith("megaray: error: "):
+            return ln.removeprefix("megaray: error: ")
+    for ln in reversed(lines):
+        if ln.strip() and not ln.startswith("megaray: "):
+            return ln.strip()
+    return None
+
+
+# -- talking to the cluster ------------------------------------------------------------------------
+
+
+def _client(address: str | None):
+    from ray.dashboard.utils import get_address_for_submission_client
+    from ray.exceptions import AuthenticationError
+    from ray.job_submission import JobSubmissionClient
+
+    shown = address or get_address_for_submission_client(None)
+    logging.getLogger("ray.dashboard.modules.job.sdk").setLevel(logging.WARNING)  # "WebSocket closed"
+    try:
+        return JobSubmissionClient(address, headers=auth_headers(os.environ))
+    except AuthenticationError as e:
+        rejected = "invalid" in str(e).lower() or "forbidden" in str(e).lower()
+        raise ClusterError(
+            f"the Ray cluster at {shown} uses token authentication and "
+            f"{'rejected the token sent' if rejected else 'no token was found here'}: set RAY_AUTH_TOKEN "
+            "(or RAY_AUTH_TOKEN_PATH) to the cluster's token, which `ray get-auth-token` prints on the head"
+        ) from None
+    except (ConnectionError, ValueError) as e:
+        raise ClusterError(
+            f"cannot reach a Ray dashboard at {shown} ({str(e).splitlines()[0]}); pass --address "
+            "http://HEAD:8265 or set RAY_API_SERVER_ADDRESS, and start the head with the dashboard"
+        ) from None
+
+
+def _job_info(client, job: str):
+    try:
+        return client.get_job_info(job)
+    except RuntimeError as e:
+        if "does not exist" in str(e) or "404" in str(e):
+            raise UsageError(
+                f"no job {job} on the cluster at {client.get_address()}; `megaray list` shows them"
+            ) from None
+        raise ClusterError(f"asking for job {job} failed: {str(e).splitlines()[0]}") from None
+
+
+def _exit_code(info) -> int:
+    status = str(info.status.value if hasattr(info.status, "value") else info.status)
+    if status == "SUCCEEDED":
+        return 0
+    if status == "STOPPED":
+        return 1
+    code = getattr(info, "driver_exit_code", None)
+    return code if isinstance(code, int) and code > 0 else 1
+
+
+class _Signalled(KeyboardInterrupt):
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _raise_signalled(signum, _frame):
+    raise _Signalled(signum)
+
+
+async def _stream(client, job: str, out) -> str:
+    """Print the job's logs as they come; returns the last part of them (for the root cause)."""
+    tail = ""
+    async for chunk in client.tail_job_logs(job):
+        out.write(chunk)
+        out.flush()
+        tail = (tail + chunk)[-20000:]
+    return tail
+
+
+def follow(client, job: str) -> int:
+    """Stream until the job ends; Ctrl-C or SIGTERM stops the job on the cluster, not just the stream."""
+    old = {s: signal.signal(s, _raise_signalled) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        tail = asyncio.run(_stream(client, job, sys.stdout))
+    except _Signalled as e:
+        name = signal.Signals(e.signum).name
+        log.warning("%s: stopping job %s on the cluster (Ctrl-C again leaves it running)", name, job)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            info = stop_and_wait(client, job)
+        except KeyboardInterrupt:
+            log.error("left job %s running; stop it with `megaray stop %s`", job, job)
+            return 130
+        log.error("job %s %s after %s", job, info.status.value, name)
+        return 128 + e.signum
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    info = _wait_terminal(client, job, 30.0)
+    return _report_end(info, tail)
+
+
+def _wait_terminal(client, job: str, timeout_s: float):
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = client.get_job_info(job)
+        if info.status.is_terminal() or time.monotonic() > deadline:
+            return info
+        time.sleep(0.25)
+
+
+def stop_and_wait(client, job: str):
+    client.stop_job(job)
+    info = _wait_terminal(client, job, STOP_WAIT_S)
+    if not info.status.is_terminal():
+        raise ClusterError(
+            f"job {job} is still {info.status.value} {STOP_WAIT_S:g} s after the stop request; check "
+            f"`megaray status {job}` and the head node"
+        )
+    return info
+
+
+def _report_end(info, tail: str) -> int:
+    code = _exit_code(info)
+    took = (
+        f" in {(info.end_time - info.start_time) / 1000:.1f} s" if info.end_time and info.start_time else ""
+    )
+    if code == 0:
+        log.info("job %s SUCCEEDED%s", info.submission_id, took)
+        return 0
+    cause = root_cause(tail) or info.message or "see the logs above"
+    log.error(
+        "job %s %s%s (exit %d); root cause: %s", info.submission_id, info.status.value, took, code, cause
+    )
+    return code
+
+
+def submit(spec: SubmitSpec) -> int:
+    client = _client(spec.address)
+    try:
+        job = client.submit_job(
+            entrypoint=job_entrypoint(spec),
+            submission_id=spec.submission_id,
+            runtime_env=dict(spec.runtime_env) or None,
+            metadata=job_metadata(spec),
+        )
+    except RuntimeError as e:
+        if "already exists" in str(e):
+            raise UsageError(
+                f"a job named {spec.submission_id} exists on the cluster already: pick another --job-name"
+            ) from None
+        raise ClusterError(f"submitting the job failed: {str(e).splitlines()[0]}") from None
+    log.info("submitted job %s to %s", job, client.get_address())
+    if not spec.wait:
+        print(job, flush=True)
+        log.info("follow it with `megaray logs %s --follow`; stop it with `megaray stop %s`", job, job)
+        return 0
+    return follow(client, job)
+
+
+def main(argv: list[str]) -> int:
+    """Dispatch `megaray <command> ...` for the job commands; raises MegarayError on bad input."""
+    if argv[0] == "submit":
+        return submit(submit_spec_from_args(argv[1:]))
+    args = build_parser().parse_args(argv)
+    client = _client(
+        args.address or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS")
+    )
+    if args.command == "list":
+        jobs = sorted(client.list_jobs(), key=lambda j: j.start_time or 0)
+        print(format_jobs(jobs))
+        return 0
+    info = _job_info(client, args.job)
+    if args.command == "status":
+        print(format_status(info))
+        return 0
+    if args.command == "stop":
+        if info.status.is_terminal():
+            log.info("job %s has already ended: %s", args.job, info.status.value)
+            return 0
+        info = stop_and_wait(client, args.job)
+        log.info("job %s %s", args.job, info.status.value)
+        return 0
+    if args.follow:
+        return follow(client, args.job)
+    logs = client.get_job_logs(args.job)
+    sys.stdout.write(logs)
+    sys.stdout.flush()
+    return 0
+
+
+def _when(ms: int | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ms / 1000)) if ms else "-"
+
+
+def format_status(info) -> str:
+    meta = info.metadata or {}
+    rows = [
+        ("job", info.submission_id or info.job_id),
+        ("status", info.status.value),
+        ("started", _when(info.start_time)),
+        ("ended", _when(info.end_time)),
+        ("exit code", "-" if getattr(info, "driver_exit_code", None) is None else str(info.driver_exit_code)),
+        ("layout", meta.get("megaray.layout", "-")),
+        ("target", meta.get("megaray.target", "-")),
+        ("entrypoint", info.entrypoint),
+        ("message", " ".join((info.message or "-").split())[:300]),
+    ]
+    return "\n".join(f"{k:<11} {v}" for k, v in rows)
+
+
+def format_jobs(jobs: list) -> str:
+    rows = [("JOB", "STATUS", "STARTED", "LAYOUT", "TARGET")]
+    for j in jobs:
+        meta = j.metadata or {}
+        rows.append(
+            (
+                j.submission_id or j.job_id or "-",
+                j.status.value,
+                _when(j.start_time),
+                meta.get("megaray.layout", "-"),
+                meta.get("megaray.target", (j.entrypoint or "")[:60]),
+            )
+        )
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows)

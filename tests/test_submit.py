@@ -1,0 +1,248 @@
+"""`megaray submit` and the job commands against a real `ray start --head` with its dashboard.
+
+The head runs with token authentication on (its own token file), as Ray 2.60 clusters do by
+default; the tests find the token through RAY_AUTH_TOKEN_PATH, as a user would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from launcher.cli import main
+
+from .conftest import REPO, free_port
+
+pytestmark = pytest.mark.slow
+
+SLEEPY = "import os, time\nprint(f\"rank {os.environ['RANK']} ready\", flush=True)\ntime.sleep(600)\n"
+FAILING = (
+    "import os, time\n"
+    "if os.environ['RANK'] == '1':\n"
+    "    raise ValueError('bad shard 17 on rank one')\n"
+    "time.sleep(600)\n"
+)
+
+
+@dataclass
+class Head:
+    url: str
+    token_path: Path
+    env: dict[str, str]
+
+    def query(self, code: str) -> object:
+        """Run `code` (which sets `result`) in a fresh process connected to the head; return result."""
+        prog = (
+            "import json\nfrom ray.job_submission import JobSubmissionClient\n"
+            "from ray.util.state import list_actors, list_placement_groups\n"
+            f"URL = {self.url!r}\nclient = JobSubmissionClient(URL)\n{code}\nprint(json.dumps(result))\n"
+        )
+        env = {**self.env, "RAY_AUTH_MODE": "token"}
+        done = subprocess.run(
+            [sys.executable, "-c", prog], env=env, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    def status(self, job: str) -> str:
+        return self.query(f"result = client.get_job_status({job!r}).value")
+
+    def alive(self, job: str) -> tuple[list, list]:
+        """Actors not dead and placement groups not removed that belong to `job`, after a short grace."""
+        code = f"""
+import time
+deadline = time.time() + 10
+while True:
+    actors = [a.name for a in list_actors(address=URL, limit=10000)
+              if a.state != "DEAD" and (a.name or "").startswith({job!r} + "-")]
+    groups = [g.name for g in list_placement_groups(address=URL, limit=10000)
+              if g.state != "REMOVED" and (g.name or "").startswith({job!r} + "-")]
+    if not (actors or groups) or time.time() > deadline:
+        break
+    time.sleep(0.3)
+result = [actors, groups]
+"""
+        actors, groups = self.query(code)
+        return actors, groups
+
+    def jobs(self) -> list[str]:
+        return self.query("result = [j.submission_id for j in client.list_jobs()]")
+
+
+@pytest.fixture(scope="module")
+def head():
+    """A real head node on loopback ports of its own, with the dashboard, stopped at the end."""
+    tmp = Path(tempfile.mkdtemp(prefix="mr-", dir="/tmp"))  # short: Ray's socket paths must fit
+    token = tmp / "token"
+    token.write_text(uuid.uuid4().hex + uuid.uuid4().hex)
+    bindir = os.path.dirname(sys.executable)
+    env = {
+        **os.environ,
+        "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),  # the job's `python` is this one
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(token),
+        "RAY_DEDUP_LOGS": "0",
+    }
+    env.pop("RAY_ADDRESS", None)
+    dash = free_port()
+    cmd = (
+        f"{bindir}/ray start --head --block --port {free_port()} --node-ip-address 127.0.0.1 "
+        f"--dashboard-host 127.0.0.1 --dashboard-port {dash} --include-dashboard true --num-cpus 4 "
+        f"--num-gpus 2 --temp-dir {tmp} --disable-usage-stats"
+    ).split()
+    log = open(tmp / "head.log", "w")  # noqa: SIM115
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    h = Head(url=f"http://127.0.0.1:{dash}", token_path=token, env=env)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            h.jobs()
+            break
+        except AssertionError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                proc.kill()
+                pytest.fail("ray start --head did not come up:\n" + (tmp / "head.log").read_text()[-3000:])
+            time.sleep(1)
+    yield h
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+    log.close()
+
+
+@pytest.fixture
+def token(head, monkeypatch):
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(head.token_path))
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+def workdir(tmp_path: Path, **files: str) -> Path:
+    d = tmp_path / "wd"
+    d.mkdir()
+    for name, text in files.items():
+        (d / name).write_text(text)
+    return d
+
+
+def test_dry_run_job_streams_topology_and_succeeds(head, token, capsys):
+    job = "sub-dry"
+    rc = main(
+        f"submit --address {head.url} -- --job-name {job} --dry-run --nodes 1 --gpus-per-node 2".split()
+    )
+    out, err = capsys.readouterr()
+    assert rc == 0, out[-3000:] + err[-3000:]
+    assert "topology (MASTER_ADDR=" in out and "dry run passed: 2 ranks" in out
+    assert f"job {job} SUCCEEDED" in err
+    assert head.status(job) == "SUCCEEDED"
+    assert head.alive(job) == ([], [])
+
+    # the job commands read it back
+    assert main(["status", job, "--address", head.url]) == 0
+    shown = capsys.readouterr().out
+    assert "SUCCEEDED" in shown and "1x2 gpu" in shown and "--dry-run" in shown
+    assert main(["logs", job, "--address", head.url]) == 0
+    assert "dry run passed" in capsys.readouterr().out
+    assert main(["list", "--address", head.url]) == 0
+    assert job in capsys.readouterr().out
+
+
+def test_failing_rank_fails_the_submit_with_the_root_cause(head, token, tmp_path, capsys):
+    wd = workdir(tmp_path, **{"fail.py": FAILING})
+    (wd / ".venv").mkdir()  # never uploaded
+    argv = (
+        f"submit --address {head.url} --working-dir {wd} -- --job-name sub-fail --nodes 1 --gpus-per-node 2"
+    )
+    rc = main([*argv.split(), "fail.py"])
+    out, err = capsys.readouterr()
+    assert rc == 1, out[-3000:] + err[-3000:]
+    assert "ValueError: bad shard 17 on rank one" in out  # the traceback, from the job's logs
+    assert "job sub-fail FAILED" in err and "root cause: rank 1 of 2 on " in err
+    assert "bad shard 17" in err.split("root cause:")[1]
+    assert head.status("sub-fail") == "FAILED"
+    assert head.alive("sub-fail") == ([], [])
+
+
+def test_sigint_stops_the_job_on_the_cluster(head, tmp_path):
+    wd = workdir(tmp_path, **{"sleepy.py": SLEEPY})
+    job = "sub-sigint"
+    env = {k: v for k, v in head.env.items() if k != "RAY_AUTH_MODE"}  # megaray finds the token itself
+    cmd = [sys.executable, "-m", "launcher", "submit", "--address", head.url, "--working-dir", str(wd), "--"]
+    cmd += f"--job-name {job} --nodes 1 --gpus-per-node 2 sleepy.py".split()
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    seen = []
+    deadline = time.monotonic() + 120
+    while sum("ready" in ln and "rank" in ln for ln in seen) < 2:
+        line = proc.stdout.readline()
+        assert line and time.monotonic() < deadline, "".join(seen)[-3000:]
+        seen.append(line)
+    proc.send_signal(signal.SIGINT)
+    rest, _ = proc.communicate(timeout=90)
+    assert proc.returncode == 130, "".join(seen)[-2000:] + rest
+    assert f"stopping job {job} on the cluster" in rest and "STOPPED" in rest
+    assert head.status(job) == "STOPPED"
+    assert head.alive(job) == ([], [])
+
+
+def test_no_wait_returns_the_id_and_stop_ends_the_job(head, token, tmp_path, capsys):
+    wd = workdir(tmp_path, **{"sleepy.py": SLEEPY})
+    job = "sub-nowait"
+    argv = f"submit --no-wait --address {head.url} --working-dir {wd} -- --job-name {job} --device cpu "
+    assert main([*argv.split(), "sleepy.py"]) == 0
+    assert capsys.readouterr().out.strip() == job
+    deadline = time.monotonic() + 60
+    while head.status(job) != "RUNNING":
+        assert time.monotonic() < deadline
+        time.sleep(0.5)
+    assert main(["stop", job, "--address", head.url]) == 0
+    assert head.status(job) == "STOPPED"
+    assert head.alive(job) == ([], [])
+
+
+@pytest.mark.parametrize(
+    "launch, message",
+    [
+        ("--nodes 0 --dry-run", "--nodes must be at least 1, got 0"),
+        ("--nodes 1 train.py", "add --working-dir"),
+        ("--address 127.0.0.1:6379 --dry-run", "drop --address"),
+        ("--recipe no_such_recipe", "unknown recipe 'no_such_recipe'"),
+    ],
+)
+def test_bad_launch_arguments_create_no_job(head, token, capsys, launch, message):
+    before = head.jobs()
+    assert main(["submit", "--address", head.url, "--", *launch.split()]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+    assert head.jobs() == before
+
+
+def test_token_problems_are_explained(head, monkeypatch, tmp_path, capsys):
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "not-the-token")
+    assert main(["list", "--address", head.url]) == 2
+    assert "rejected the token" in capsys.readouterr().err
+    monkeypatch.delenv("RAY_AUTH_TOKEN")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "missing"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert main(["list", "--address", head.url]) == 2
+    assert "no token was found here" in capsys.readouterr().err
+
+
+def test_unknown_job_and_unreachable_dashboard(head, token, capsys):
+    assert main(["status", "no-such-job", "--address", head.url]) == 2
+    assert "no job no-such-job" in capsys.readouterr().err
+    assert main(["list", "--address", f"http://127.0.0.1:{free_port()}"]) == 2
+    assert "cannot reach a Ray dashboard" in capsys.readouterr().err
