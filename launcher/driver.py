@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import ast
 import contextlib
+import dataclasses
 import importlib.util
 import logging
 import os
@@ -28,15 +29,19 @@ from .cluster import NAMESPACE, Cluster, check_versions, connect
 from .errors import (
     ClusterError,
     Interrupted,
+    MegarayError,
     RankFailedError,
     RankFailure,
     ResourceError,
     UsageError,
     describe_death,
 )
+from .output import OutputSink
 from .preflight import preflight
 from .profiles import load_profile
-from .rankenv import EnvDecision, contract_env, decide_env
+from .progress import ProgressView, TrainingFacts
+from .rankenv import EnvDecision, contract_env, decide_env, redact
+from .rundir import RunDir
 from .spec import LaunchSpec, Target
 from .topology import RankSlot, assign_ranks, format_rank_ranges, order_nodes, visible_devices
 from .worker import RankActor
@@ -70,19 +75,53 @@ class LaunchResult:
 
 
 def launch(spec: LaunchSpec) -> LaunchResult:
-    """Run `spec` on the cluster and return when every rank has finished; raises MegarayError."""
+    """Run `spec` on the cluster and return when every rank has finished; raises MegarayError.
+
+    The run directory (`spec.run_dir`) records the spec, the resolved config, the topology, each
+    rank's environment and output, and a summary of how it ended, whatever the outcome.
+    """
     check_target_locally(spec.target, spec.cwd)
     profile = load_profile(spec.env_profile) if spec.env_profile else {}
-    preflight(spec)
+    plan = preflight(spec)
+    run = RunDir(spec.run_dir)
+    run.write_spec(spec)
+    if plan is not None:
+        run.write_config(plan.config)
     stop = _StopSignal()
-    # After connecting: ray.init installs its own fatal-signal handler for SIGTERM, which would
-    # end the driver without teardown.
-    with connect(spec) as cluster, stop.installed():
-        job = _Job(spec, cluster, profile, stop)
-        try:
-            return job.execute()
-        finally:
-            job.teardown()
+    job: _Job | None = None
+    outcome: dict[str, Any] = {"status": "failed", "exit_code": 1, "root_cause": None}
+    try:
+        # After connecting: ray.init installs its own fatal-signal handler for SIGTERM, which would
+        # end the driver without teardown.
+        with connect(spec) as cluster, stop.installed():
+            job = _Job(spec, cluster, profile, stop, run=run, facts=plan.facts if plan else TrainingFacts())
+            try:
+                result = job.execute()
+            finally:
+                job.teardown()
+        outcome = {"status": "succeeded", "exit_code": 0, "root_cause": None}
+        return result
+    except RankFailedError as e:
+        outcome = {"status": "failed", "exit_code": e.exit_code, "root_cause": str(e), "failures": e.failures}
+        raise
+    except Interrupted as e:
+        outcome = {"status": "interrupted", "exit_code": e.exit_code, "root_cause": str(e)}
+        raise
+    except MegarayError as e:
+        outcome = {"status": "error", "exit_code": e.exit_code, "root_cause": str(e)}
+        raise
+    except BaseException as e:
+        outcome = {"status": "error", "exit_code": 1, "root_cause": f"{type(e).__name__}: {e}"}
+        raise
+    finally:
+        run.write_summary(
+            job=spec.job_name,
+            world_size=spec.world_size,
+            **outcome,
+            timings=job.timings if job else {},
+            progress=job.progress.stats if job and job.progress else {},
+        )
+        log.info("run directory: %s", run.path)
 
 
 def check_target_locally(target: Target, cwd: str) -> None:
@@ -202,6 +241,8 @@ class _Job:
         *,
         gpu_share: float = 1.0,
         colocate_with: _Job | None = None,
+        run: RunDir | None = None,
+        facts: TrainingFacts | None = None,
     ):
         self.spec = spec
         self.gpu_share = gpu_share  # of each rank's GPU (and CPUs) that this job's actor takes
@@ -218,6 +259,13 @@ class _Job:
         self.master: tuple[str, int] = ("", 0)
         self.t0 = time.monotonic()
         self.timings: dict[str, float] = {}
+        # A launch (not a rank group) collects rank output into its run directory and shows progress.
+        self.run = run
+        self.sink = None
+        self.drain_ref = None
+        self.progress = (
+            ProgressView(facts or TrainingFacts(), spec.world_size, spec.peak_tflops) if run else None
+        )
 
     def _mark(self, name: str) -> None:
         self.timings[name] = round(time.monotonic() - self.t0, 3)
@@ -245,11 +293,15 @@ class _Job:
             spec.target.describe(),
         )
         self._place()
+        if self.run is not None:
+            self._start_sink()
         infos = self._start_actors()
         master_addr = self.slots[0].node_ip
         master_port = self._choose_port(master_addr)
         decisions = self._decide_envs(infos, master_addr, master_port)
-        ray.get([a.setup.remote(d.to_set) for a, d in zip(self.actors, decisions, strict=True)])
+        envs = ray.get(
+            [a.setup.remote(d.to_set, self.sink) for a, d in zip(self.actors, decisions, strict=True)]
+        )
         self._mark("env_set")
         ranks = tuple(
             RankInfo(
@@ -260,6 +312,56 @@ class _Job:
         self._log_topology(ranks, master_addr, master_port)
         self._log_env(decisions)
         self.infos, self.ranks, self.master = infos, ranks, (master_addr, master_port)
+        if self.run is not None:
+            self.run.write_topology(self.master, [dataclasses.asdict(r) for r in ranks])
+            self.run.write_env(
+                [
+                    {"rank": r, "set_by_megaray": redact(d.to_set), "notes": d.notes, "process": redact(env)}
+                    for r, (d, env) in enumerate(zip(decisions, envs, strict=True))
+                ]
+            )
+
+    def _start_sink(self) -> None:
+        """The output collector, on the driver's node: the run directory is on this machine."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        spec = self.spec
+        self.sink = (
+            ray.remote(OutputSink)
+            .options(
+                name=f"{spec.job_name}-output",
+                namespace=NAMESPACE,
+                num_cpus=0,
+                max_restarts=0,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(
+                    ray.get_runtime_context().get_node_id(), soft=False
+                ),
+            )
+            .remote(str(self.run.path.resolve()), [s.node_rank for s in self.slots], spec.console_ranks)
+        )
+
+    def pump_output(self, wait_s: float = 0.0) -> None:
+        """Show what the sink collected since the last call: console lines and progress."""
+        if self.sink is None:
+            return
+        if self.drain_ref is None:
+            self.drain_ref = self.sink.drain.remote()
+        ready, _ = ray.wait([self.drain_ref], timeout=wait_s)
+        if not ready:
+            return
+        ref, self.drain_ref = self.drain_ref, None
+        try:
+            lines, records = ray.get(ref)
+        except ray.exceptions.RayError as e:
+            log.warning("rank output is no longer collected: %s", _first_line(e))
+            self.sink = None
+            return
+        self._show(lines, records)
+
+    def _show(self, lines: list[str], records: list[dict[str, Any]]) -> None:
+        self.progress.print_lines(lines)
+        for record in records:
+            self.progress.update(record)
 
     def _place(self) -> None:
         spec = self.spec
@@ -380,6 +482,7 @@ class _Job:
         pending = list(run_refs)
         while pending:
             self.stop.check()
+            self.pump_output()
             done, pending = ray.wait(pending, num_returns=1, timeout=0.25)
             if not done:
                 continue
@@ -395,6 +498,7 @@ class _Job:
                 )
                 for ref in more:
                     self._collect(ref, rank_of[ref], returns, failures)
+                self.pump_output(wait_s=2.0)  # the failing rank's last lines before the report
                 raise RankFailedError(failures, spec.world_size)
         return tuple(returns)
 
@@ -461,7 +565,7 @@ class _Job:
 
     def _log_env(self, decisions: list[EnvDecision]) -> None:
         first = decisions[0].to_set
-        log.info("env of rank 0: %s", " ".join(f"{k}={v}" for k, v in sorted(first.items())))
+        log.info("env of rank 0: %s", " ".join(f"{k}={v}" for k, v in sorted(redact(first).items())))
         notes: dict[str, list[int]] = {}
         for rank, d in enumerate(decisions):
             for note in d.notes:
@@ -475,11 +579,27 @@ class _Job:
         for a in self.actors:
             with contextlib.suppress(Exception):
                 ray.kill(a, no_restart=True)
+        self._finish_output()
         if self.host is None:  # a colocated job leaves the groups to their owner
             placement.remove_groups(self.groups)
         if self.port_reserved:
             ports.release(*self.port_reserved)
         self._mark("torn_down")
+
+    def _finish_output(self) -> None:
+        """Last lines into the files and onto the console, then stop the sink."""
+        if self.sink is None:
+            if self.progress is not None:
+                self.progress.close()
+            return
+        sink, self.sink = self.sink, None
+        with contextlib.suppress(Exception):
+            if self.drain_ref is not None:
+                self._show(*ray.get(self.drain_ref, timeout=5))
+            self._show(*ray.get(sink.finish.remote(), timeout=10))
+        self.progress.close()
+        with contextlib.suppress(Exception):
+            ray.kill(sink, no_restart=True)
 
 
 def _first_line(e: BaseException) -> str:

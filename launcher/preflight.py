@@ -8,15 +8,28 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
+from typing import Any
 
 from .errors import UsageError
 from .layout import Layout, layout_problems
+from .progress import TrainingFacts, facts_from_config
 from .spec import LaunchSpec
 
 log = logging.getLogger("megaray")
 
 
-def preflight(spec: LaunchSpec) -> Layout | None:
+@dataclass(frozen=True)
+class Plan:
+    """What the preflight learned: the layout, the resolved config (for the run directory), and
+    the facts progress reporting needs (sequence length, batch, iterations, FLOPs per token)."""
+
+    layout: Layout
+    config: Any
+    facts: TrainingFacts
+
+
+def preflight(spec: LaunchSpec) -> Plan | None:
     target = spec.target
     if target.kind != "megatron" or target.recipe is None:
         return None
@@ -50,4 +63,4 @@ def preflight(spec: LaunchSpec) -> Layout | None:
     )
     for note in notes:
         log.info("preflight: %s", note)
-    return layout
+    return Plan(layout, cfg, facts_from_config(cfg))

@@ -14,6 +14,7 @@ environment is not copied into the ranks.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -106,6 +107,23 @@ def check_user_env(env: Mapping[str, str], source: str) -> None:
             raise ValueError(f"{source}: {key!r} is not a valid environment variable name")
 
 
+_SECRET = re.compile(r"TOKEN|KEY|SECRET|PASSWORD|PASSWD|CREDENTIAL", re.IGNORECASE)
+REDACTED = "<redacted>"
+
+
+def is_secret(name: str) -> bool:
+    """Names that suggest a secret: their values are never printed or written to the run directory."""
+    return bool(_SECRET.search(name))
+
+
+def redact(env: Mapping[str, str]) -> dict[str, str]:
+    return {k: (REDACTED if is_secret(k) else v) for k, v in env.items()}
+
+
+def _shown(key: str, value: str) -> str:
+    return REDACTED if is_secret(key) else repr(value)
+
+
 def decide_env(
     contract: Mapping[str, str],
     *,
@@ -121,7 +139,7 @@ def decide_env(
     for key, value in contract.items():
         old = node_env.get(key)
         if old is not None and old != value and key != "CUDA_VISIBLE_DEVICES":
-            notes.append(f"{key}: node had {old!r}, launcher sets {value!r}")
+            notes.append(f"{key}: node had {_shown(key, old)}, launcher sets {_shown(key, value)}")
         to_set[key] = value
     for key, value in defaults.items():
         if key in overrides or key in profile:
@@ -130,20 +148,23 @@ def decide_env(
         if old is None:
             to_set[key] = value
         elif old != value:
-            notes.append(f"{key}: keeping the node's {old!r} (launcher default {value!r})")
+            shown = f"keeping the node's {_shown(key, old)} (launcher default {_shown(key, value)})"
+            notes.append(f"{key}: {shown}")
     for key, value in profile.items():
         if key in overrides:
             continue
         old = node_env.get(key)
         if old is not None and old != value:
-            notes.append(f"{key}: profile {profile_name} sets {value!r} over the node's {old!r}")
+            shown = f"profile {profile_name} sets {_shown(key, value)} over the node's {_shown(key, old)}"
+            notes.append(f"{key}: {shown}")
         to_set[key] = value
     for key, value in overrides.items():
         old = node_env.get(key)
         if old is not None and old != value:
-            notes.append(f"{key}: --env sets {value!r} over the node's {old!r}")
+            notes.append(f"{key}: --env sets {_shown(key, value)} over the node's {_shown(key, old)}")
         elif key in profile and profile[key] != value:
-            notes.append(f"{key}: --env sets {value!r} over profile {profile_name}'s {profile[key]!r}")
+            theirs = _shown(key, profile[key])
+            notes.append(f"{key}: --env sets {_shown(key, value)} over profile {profile_name}'s {theirs}")
         to_set[key] = value
     return EnvDecision(to_set=to_set, notes=tuple(notes))
 

@@ -13,8 +13,11 @@ import secrets
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from .errors import UsageError
+from .output import parse_rank_list
+from .progress import H100_SXM_BF16_TFLOPS
 from .rankenv import parse_env_pairs
 from .recipes import Recipe, check_overrides, load_recipe
 
@@ -75,6 +78,9 @@ class LaunchSpec:
     env: tuple[tuple[str, str], ...] = ()
     cwd: str = field(default_factory=os.getcwd)
     check_only: bool = False  # --check: validate the Megatron layout in the driver, then exit
+    log_ranks: str = "0"  # ranks whose output the console shows ("all", or "0,3,8-11")
+    runs_dir: str = "runs"  # run directories go to <runs_dir>/<job_name>, relative to cwd
+    peak_tflops: float = H100_SXM_BF16_TFLOPS  # per GPU, the denominator of MFU
 
     def __post_init__(self):
         if self.nodes < 1:
@@ -99,6 +105,9 @@ class LaunchSpec:
             )
         if self.check_only and self.target.kind != "megatron":
             raise ValueError("--check validates a Megatron layout: give it with --recipe")
+        parse_rank_list(self.log_ranks, self.world_size)
+        if self.peak_tflops <= 0:
+            raise ValueError(f"--peak-tflops must be above 0, got {self.peak_tflops}")
         if self.dry_run != (self.target.kind == "dryrun"):
             raise ValueError(
                 "--dry-run runs the built-in check: drop the script or --entrypoint, or --dry-run"
@@ -111,6 +120,14 @@ class LaunchSpec:
     @property
     def uses_gpus(self) -> bool:
         return self.device == "gpu"
+
+    @property
+    def console_ranks(self) -> frozenset[int]:
+        return parse_rank_list(self.log_ranks, self.world_size)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.cwd) / self.runs_dir / self.job_name
 
     @property
     def env_overrides(self) -> dict[str, str]:
@@ -181,6 +198,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--check", action="store_true", help="build the recipe's config here and check its layout, then exit"
     )
+    p.add_argument(
+        "--log-ranks",
+        default="0",
+        metavar="all|0,3,8-11",
+        help="ranks whose output the console shows, prefixed [r<rank> n<node>] (default 0); every rank's "
+        "output goes to <runs-dir>/<job>/rank-<r>.log",
+    )
+    p.add_argument("--runs-dir", default="runs", help="where run directories go (default ./runs)")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=H100_SXM_BF16_TFLOPS,
+        help=f"peak TFLOP/s per GPU for MFU (default {H100_SXM_BF16_TFLOPS:g}: H100 SXM, dense BF16)",
+    )
     p.add_argument("target", nargs="?", help="script to run on every rank, as torchrun runs it")
     p.add_argument("target_args", nargs=argparse.REMAINDER, help="arguments for the script or function")
     return p
@@ -231,6 +262,9 @@ def spec_from_args(
             env=tuple(env.items()),
             cwd=cwd or os.getcwd(),
             check_only=args.check,
+            log_ranks=args.log_ranks,
+            runs_dir=args.runs_dir,
+            peak_tflops=args.peak_tflops,
         )
     except ValueError as e:
         raise UsageError(str(e)) from None

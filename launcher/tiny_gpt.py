@@ -12,6 +12,8 @@ import os
 from datetime import timedelta
 from typing import Any
 
+from .progress import report
+
 
 def choose_layout(world: int, local_world: int) -> tuple[int, int, int]:
     """TP 2 inside a node when it can, then PP 2 across what is left, then DP: TP2 x PP2 on 4 ranks."""
@@ -133,7 +135,12 @@ def _train(steps, seq, vocab, hidden, heads, layers, micro_batch, microbatches, 
 
     data = batches()
     losses: list[float] = []
-    for _ in range(steps):
+    reporter = (
+        parallel_state.is_pipeline_last_stage()
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank() == 0
+    )
+    for step in range(steps):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         out = forward_backward(
@@ -149,4 +156,6 @@ def _train(steps, seq, vocab, hidden, heads, layers, micro_batch, microbatches, 
         if parallel_state.is_pipeline_last_stage():
             # the schedule divides each microbatch's loss by their number: the sum is the mean
             losses.append(float(sum(o["lm loss"] for o in out)))
+            if reporter:  # one rank tells the driver, as Megatron logs on one rank
+                report(step + 1, steps, losses[-1], tokens=micro_batch * microbatches * dp * seq)
     return {"rank": rank, "tp": tp, "pp": pp, "dp": dp, "losses": losses or None}

@@ -79,6 +79,7 @@ class RankActor:
         ctx = ray.get_runtime_context()
         self.gpu_ids = [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])]
         self.node_id = ctx.get_node_id()
+        self.capture = None
 
     def __repr__(self) -> str:
         where = f"gpu{','.join(self.gpu_ids)}" if self.gpu_ids else "cpu"
@@ -110,10 +111,15 @@ class RankActor:
                     break
         return found
 
-    def setup(self, env: dict[str, str]) -> dict[str, str]:
-        """Apply the rank's env before any framework is imported; returns what the process now has."""
+    def setup(self, env: dict[str, str], sink: Any = None) -> dict[str, str]:
+        """Apply the rank's env before any framework is imported, and send this process's output to
+        `sink` (a launch's OutputSink) from here on. Returns the whole environment the rank now has."""
         os.environ.update(env)
-        return {k: os.environ[k] for k in env}
+        if sink is not None and self.capture is None:
+            from .output import Capture
+
+            self.capture = Capture(sink, self.rank)
+        return dict(os.environ)
 
     def run(self, target: Target, cwd: str) -> dict[str, Any]:
         """Run the target to completion; a failure comes back as data with its traceback."""
@@ -135,6 +141,8 @@ class RankActor:
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
+            if self.capture is not None:
+                self.capture.sync()  # the driver has every line of this rank before its result
 
 
 def _failure(kind: str, summary: str, exc: BaseException, exit_code: int | None = None) -> dict[str, Any]:

@@ -148,6 +148,8 @@ def test_dry_run_across_two_nodes_trains_megatron(cluster, capsys):
     assert abs(first - math.log(128)) < 0.3  # a fresh model: uniform over the 128-token vocabulary
     assert last < 0.7 * first  # it learns
     assert "last-stage ranks agreeing: 2" in err
+    # progress, reported by one last-stage rank, shown by the driver as plain lines (no terminal)
+    assert re.search(r"progress: iteration 20/20 \| loss [\d.]+ \| [\d.]+k? tokens/s \| ETA 0s", err), err
 
 
 def _driver(cluster, job, args: str, out=None):
@@ -287,3 +289,62 @@ def test_colocated_rank_groups_take_turns_on_the_same_gpus(cluster):
     assert len(trainer.run_all(whoami)) == 4  # the host keeps its groups and actors
     trainer.shutdown()
     assert leftovers("trainer") == ([], [])
+
+
+CHATTY = """
+import os, sys
+rank = int(os.environ["RANK"])
+print(f"hello from rank {rank}")
+print(f"stderr of rank {rank}", file=sys.stderr)
+os.system(f"echo from a child process of rank {rank}")  # the file descriptors are captured, not just sys.stdout
+if rank == 3 and os.environ.get("FAIL_LAST"):
+    raise RuntimeError("rank three gives up")
+"""
+
+
+def test_rank_output_goes_to_per_rank_files_and_rank_0_to_the_console(cluster, tmp_path, capsys):
+    script = tmp_path / "chatty.py"
+    script.write_text(CHATTY)
+    runs = tmp_path / "runs"
+    args = f"--nodes 2 --gpus-per-node 2 --runs-dir {runs} --env HF_TOKEN=hunter2-secret {script}"
+    assert launch(cluster, "chatty", tmp_path, args) == 0
+    out, err = capsys.readouterr()
+    assert "[r0 n0] hello from rank 0" in out and "[r0 n0] from a child process of rank 0" in out
+    assert "[r0 n0] stderr of rank 0" in out
+    assert "rank 1" not in out and "[r3" not in out  # only rank 0 on the console by default
+    run = runs / "chatty"
+    for rank in range(4):
+        text = (run / f"rank-{rank}.log").read_text()
+        tag = f"[r{rank} n{rank // 2}] "
+        for line in (f"hello from rank {rank}", f"stderr of rank {rank}", f"from a child process of rank {rank}"):
+            assert tag + line in text.splitlines(), text
+    # the run directory: spec, topology, env per rank, summary; the planted secret nowhere
+    spec = json.loads((run / "spec.json").read_text())
+    assert spec["nodes"] == 2 and spec["world_size"] == 4 and spec["env"]["HF_TOKEN"] == "<redacted>"
+    topo = json.loads((run / "topology.json").read_text())
+    assert [(r["rank"], r["node_rank"], r["gpu"]) for r in topo["ranks"]][:2] == [(0, 0, "0"), (1, 0, "1")]
+    assert topo["master_addr"] == topo["ranks"][0]["node_ip"]
+    envs = json.loads((run / "env.json").read_text())
+    assert [e["rank"] for e in envs] == [0, 1, 2, 3]
+    assert envs[2]["set_by_megaray"]["RANK"] == "2" and envs[2]["process"]["HF_TOKEN"] == "<redacted>"
+    summary = json.loads((run / "summary.json").read_text())
+    assert (summary["status"], summary["exit_code"], summary["world_size"]) == ("succeeded", 0, 4)
+    for f in run.iterdir():
+        assert "hunter2" not in f.read_text(), f
+    assert "hunter2" not in out + err
+
+
+def test_log_ranks_all_and_a_failure_summary(cluster, tmp_path, capsys):
+    script = tmp_path / "chatty.py"
+    script.write_text(CHATTY)
+    runs = tmp_path / "runs"
+    args = f"--nodes 2 --gpus-per-node 2 --runs-dir {runs} --log-ranks all --env FAIL_LAST=1 {script}"
+    assert launch(cluster, "chatty-fail", tmp_path, args) == 1
+    out = capsys.readouterr().out
+    for rank in range(4):
+        assert f"[r{rank} n{rank // 2}] hello from rank {rank}" in out
+    summary = json.loads((runs / "chatty-fail" / "summary.json").read_text())
+    assert (summary["status"], summary["exit_code"]) == ("failed", 1)
+    assert summary["root_cause"].startswith("rank 3 on ") and "rank three gives up" in summary["root_cause"]
+    assert "[r3 n1] hello from rank 3" in (runs / "chatty-fail" / "rank-3.log").read_text()
+    assert leftovers("chatty-fail") == ([], [])
