@@ -296,7 +296,7 @@ import os, sys
 rank = int(os.environ["RANK"])
 print(f"hello from rank {rank}")
 print(f"stderr of rank {rank}", file=sys.stderr)
-os.system(f"echo from a child process of rank {rank}")  # the file descriptors are captured, not just sys.stdout
+os.system(f"echo from a child process of rank {rank}")  # file descriptors are captured, not sys.stdout
 if rank == 3 and os.environ.get("FAIL_LAST"):
     raise RuntimeError("rank three gives up")
 """
@@ -316,8 +316,9 @@ def test_rank_output_goes_to_per_rank_files_and_rank_0_to_the_console(cluster, t
     for rank in range(4):
         text = (run / f"rank-{rank}.log").read_text()
         tag = f"[r{rank} n{rank // 2}] "
-        for line in (f"hello from rank {rank}", f"stderr of rank {rank}", f"from a child process of rank {rank}"):
-            assert tag + line in text.splitlines(), text
+        lines = text.splitlines()
+        for what in ("hello from rank", "stderr of rank", "from a child process of rank"):
+            assert f"{tag}{what} {rank}" in lines, text
     # the run directory: spec, topology, env per rank, summary; the planted secret nowhere
     spec = json.loads((run / "spec.json").read_text())
     assert spec["nodes"] == 2 and spec["world_size"] == 4 and spec["env"]["HF_TOKEN"] == "<redacted>"
