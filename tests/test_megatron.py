@@ -17,6 +17,7 @@ from launcher import compat
 from launcher.bridge_target import build_config
 from launcher.cli import main
 from launcher.errors import UsageError
+from launcher.progress import facts_from_config
 from launcher.recipes import available_recipes, load_recipe
 
 from .conftest import FIXTURES
@@ -71,6 +72,15 @@ def test_llama_and_qwen_have_the_model_card_values(configs):
     )
     assert qwen.qk_layernorm is True
     assert configs["qwen3_8b"].tokenizer.tokenizer_type == "NullTokenizer"
+
+
+def test_flops_per_token_is_megatrons_formula_for_llama3_8b_at_8192():
+    # Published figure: about 51.5e9 FLOPs per token (forward + backward, attention counted causal):
+    # 6 x 6.98e9 non-embedding parameters + the output layer + causal attention 6 x L x h x s.
+    cfg = build_config(load_recipe("llama3_8b"), ["model.seq_length=8192", "dataset.seq_length=8192"])[0]
+    facts = facts_from_config(cfg)
+    assert facts.flops_per_token == pytest.approx(51.5e9, rel=0.005)
+    assert (facts.seq_length, facts.global_batch) == (8192, cfg.train.global_batch_size)
 
 
 def test_command_line_overrides_beat_the_recipe_file_which_beats_bridge():

@@ -1,0 +1,99 @@
+"""Tier 1 for what the driver shows and keeps: rank lists, the sink's lines, progress, redaction."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.output import OutputSink, parse_rank_list
+from launcher.progress import ProgressView, TrainingFacts, parse_megatron_line
+from launcher.rankenv import decide_env, redact
+
+# One line of Megatron-Bridge's training log (training/utils/train_utils.py, training_log)
+BRIDGE_LINE = (
+    " [2026-11-22 13:00:00] iteration       40/     100 | consumed samples:          320 | elapsed time "
+    "per iteration (ms): 480.2 | throughput per GPU (TFLOP/s/GPU): 402.1 | learning rate: 3.000000E-04 |"
+    " global batch size:     8 | lm loss: 1.331000E+00 | loss scale: 1.0 | grad norm: 0.812 |"
+    " number of skipped iterations:   0 | number of nan iterations:   0 |"
+)
+
+
+@pytest.mark.parametrize(
+    "text, world, ranks",
+    [("0", 4, {0}), ("all", 3, {0, 1, 2}), ("0,3,8-10", 16, {0, 3, 8, 9, 10}), ("ALL", 1, {0})],
+)
+def test_rank_lists(text, world, ranks):
+    assert parse_rank_list(text, world) == ranks
+
+
+@pytest.mark.parametrize("text", ["4", "x", "2-1", "1-", "-1"])
+def test_bad_rank_lists_say_why(text):
+    with pytest.raises(ValueError, match="--log-ranks"):
+        parse_rank_list(text, 4)
+
+
+def test_the_sink_prefixes_lines_keeps_partial_ones_and_picks_console_ranks(tmp_path):
+    sink = OutputSink(str(tmp_path), node_of_rank=[0, 0, 1, 1], console=frozenset({0}))
+    sink.write(2, "first line\nhalf a ")
+    sink.write(0, "rank zero\n")
+    sink.write(2, "line\n" + BRIDGE_LINE + "\n")
+    sink.write(3, "no newline at the end")
+    console, progress = sink.drain()
+    assert console == ["[r0 n0] rank zero"]
+    assert [(p["rank"], p["iteration"], p["total"], p["loss"]) for p in progress] == [(2, 40, 100, 1.331)]
+    assert sink.drain() == ([], [])
+    sink.finish()
+    assert (tmp_path / "rank-2.log").read_text().splitlines()[:2] == [
+        "[r2 n1] first line",
+        "[r2 n1] half a line",
+    ]
+    assert (tmp_path / "rank-3.log").read_text() == "[r3 n1] no newline at the end\n"
+
+
+def test_megatron_log_line_is_parsed():
+    record = parse_megatron_line(BRIDGE_LINE)
+    assert record["iteration"] == 40 and record["total"] == 100
+    assert record["iter_s"] == pytest.approx(0.4802) and record["global_batch"] == 8
+    assert record["loss"] == pytest.approx(1.331)
+    assert parse_megatron_line("iteration 3 of my own loop") is None
+
+
+def test_progress_figures_from_megatron_facts():
+    # Llama3-8B, sequence 8192, global batch 512 on 64 GPUs at 10 s per iteration
+    facts = TrainingFacts(seq_length=8192, global_batch=512, train_iters=1000, flops_per_token=51.47e9)
+    view = ProgressView(facts, world_size=64, peak_tflops=989.0, tty=False)
+    view.update({"iteration": 100, "total": 1000, "iter_s": 10.0, "loss": 2.5, "time": 0.0})
+    s = view.stats
+    assert s["tokens_per_s"] == pytest.approx(512 * 8192 / 10)
+    assert s["tflops_per_gpu"] == pytest.approx(51.47e9 * 512 * 8192 / 10 / 64 / 1e12)
+    assert s["mfu"] == pytest.approx(s["tflops_per_gpu"] / 989.0)
+    assert s["eta_s"] == pytest.approx(9000)
+    line = view.describe()
+    assert line.startswith(
+        "iteration 100/1000 | loss 2.5 | 419.4k tokens/s | 337.3 TFLOP/s/GPU (34.1% MFU of 989)"
+    )
+    assert line.endswith("ETA 2h30m")
+
+
+def test_progress_from_report_calls_derives_the_rate():
+    view = ProgressView(TrainingFacts(), world_size=2, peak_tflops=989.0, tty=False)
+    view.update({"iteration": 1, "total": 11, "tokens": 4096, "time": 100.0})
+    view.update({"iteration": 3, "total": 11, "tokens": 4096, "time": 101.0})
+    assert view.stats["iter_s"] == pytest.approx(0.5)
+    assert view.stats["tokens_per_s"] == pytest.approx(8192)
+    assert view.stats["eta_s"] == pytest.approx(4.0)
+    assert "TFLOP" not in view.describe()  # no formula for a plain program
+
+
+def test_secrets_are_redacted_in_env_notes_and_records():
+    env = {
+        "HF_TOKEN": "abc",
+        "WANDB_API_KEY": "k",
+        "DB_PASSWORD": "p",
+        "AWS_SECRET_ACCESS_KEY": "s",
+        "PATH": "/b",
+    }
+    assert redact(env) == {k: ("/b" if k == "PATH" else "<redacted>") for k in env}
+    decision = decide_env({}, node_env={"HF_TOKEN": "old-secret"}, profile={}, profile_name=None,
+                          overrides={"HF_TOKEN": "new-secret"})  # fmt: skip
+    assert decision.to_set["HF_TOKEN"] == "new-secret"
+    assert decision.notes and not any("secret" in n for n in decision.notes)
