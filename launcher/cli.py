@@ -54,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
             from .jobs import main as job_main
 
             return job_main(argv)
+        if argv and argv[0] == "doctor":
+            from .doctor import main as doctor_main
+
+            return doctor_main(argv[1:])
         spec = spec_from_args(argv)
         if spec.check_only:
             from .preflight import preflight

@@ -151,7 +151,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Launch a torchrun-style program on a Ray cluster: one placement group per node, "
         "one actor per rank, the torchrun env contract in each.",
         epilog="As a Ray job on a shared cluster: megaray submit [...] -- <these arguments>; then "
-        "megaray status|logs|stop JOB and megaray list (each has --help).",
+        "megaray status|logs|stop JOB and megaray list. Check a cluster: megaray doctor. Each has --help.",
     )
     p.add_argument("--nodes", type=int, default=1, help="number of nodes (one placement group each)")
     p.add_argument(

@@ -349,3 +349,25 @@ def test_log_ranks_all_and_a_failure_summary(cluster, tmp_path, capsys):
     assert summary["root_cause"].startswith("rank 3 on ") and "rank three gives up" in summary["root_cause"]
     assert "[r3 n1] hello from rank 3" in (runs / "chatty-fail" / "rank-3.log").read_text()
     assert leftovers("chatty-fail") == ([], [])
+
+
+def test_doctor_reports_each_node_and_flags_one_short_of_gpus(cluster, capsys):
+    assert main(["doctor", "--address", cluster.address, "--nodes", "2", "--gpus-per-node", "3"]) == 1
+    out, err = capsys.readouterr()
+    table = out.split("nodes (3):\n")[1].splitlines()
+    assert len(table) == 4  # header + head node + node A + node B
+    declared = sorted(int(row.split()[5]) for row in table[1:])
+    assert declared == [0, 2, 3]
+    assert "2 GPU(s), fewer than --gpus-per-node 3: no ranks go here" in err
+    assert "--nodes 2 --gpus-per-node 3 does not fit: 1 node(s) have 3 or more GPUs" in err
+
+
+def test_doctor_measures_gloo_all_reduce_bandwidth_over_the_layout(cluster, capsys):
+    assert main(["doctor", "--address", cluster.address, "--nodes", "2", "--gpus-per-node", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "all-reduce over 4 ranks (gloo):" in out
+    sweep = out.split("all-reduce over 4 ranks (gloo):\n")[1].split("per node:")[0].splitlines()[1:]
+    assert sweep and all(re.search(r"\d+(\.\d+)? [KM]iB\s+[\d.]+ ms\s+[\d.]+ GB/s", row) for row in sweep)
+    per_node = out.split("per node:\n")[1].splitlines()[1:3]
+    assert [row.split()[0] for row in per_node] == ["0", "1"]
+    assert leftovers("megaray") == ([], [])

@@ -97,3 +97,45 @@ def test_secrets_are_redacted_in_env_notes_and_records():
                           overrides={"HF_TOKEN": "new-secret"})  # fmt: skip
     assert decision.to_set["HF_TOKEN"] == "new-secret"
     assert decision.notes and not any("secret" in n for n in decision.notes)
+
+
+def _node(gpus=(), rdma=None, ray_version="2.60.0", python="3.12.1", disk=100.0):
+    return {"hostname": "h", "node_ip": "10.0.0.1", "ray_version": ray_version, "python_version": python,
+            "gpus": list(gpus), "driver_version": None, "cuda_version": None, "rdma": rdma or {},
+            "disk_free_gb": disk, "disk_path": "/tmp"}  # fmt: skip
+
+
+def test_doctor_checks_versions_gpus_devices_and_disk():
+    from launcher.doctor import check_nodes, layout_problem, profile_needs
+
+    want = ("2.60.0", "3.12.1")
+    h100 = ["NVIDIA H100 80GB HBM3"] * 8
+    nodes = [
+        (_node(h100, {"rdmap0": "efa"}), 8),
+        (_node(h100[:4], {"rdmap0": "efa"}), 8),  # Ray declares more GPUs than the node has
+        (_node(h100, {}, ray_version="2.59.0"), 8),  # another Ray, and no EFA device
+        (_node(h100[:4], {"rdmap0": "efa"}, disk=3.0), 4),  # fewer GPUs than asked, disk nearly full
+    ]
+    reports = check_nodes(
+        nodes, want, gpus_per_node=8, device="gpu", needs=profile_needs({"FI_PROVIDER": "efa"})
+    )
+    assert [r.status for r in reports] == ["ok", "FAIL", "FAIL", "WARN"]
+    assert "nvidia-smi sees 4" in reports[1].problems[0]
+    assert any("Ray 2.59.0" in p for p in reports[2].problems)
+    assert any("no EFA device" in p for p in reports[2].problems)
+    assert any("fewer than --gpus-per-node 8" in w for w in reports[3].warnings)
+    assert any("3.0 GiB free" in w for w in reports[3].warnings)
+    assert layout_problem(reports, nodes=3, gpus_per_node=8, device="gpu") is None
+    assert "1 node(s) have 8 or more" not in (layout_problem(reports, 4, 8, "gpu") or "")
+    assert "3 node(s) have 8 or more GPUs" in layout_problem(reports, 4, 8, "gpu")
+    assert profile_needs({"NCCL_IB_DISABLE": "0"}) == "infiniband" and profile_needs({}) is None
+
+
+def test_bus_bandwidth_and_slow_nodes():
+    from launcher.doctor import bus_bandwidth, slow_nodes
+
+    # nccl-tests: busbw = size / time x 2(n-1)/n
+    assert bus_bandwidth(1 << 30, 0.01, 8) == pytest.approx((1 << 30) / 0.01 * 14 / 8 / 1e9)
+    assert bus_bandwidth(1 << 20, 0.01, 1) == 0.0
+    assert slow_nodes({0: 100.0, 1: 98.0, 2: 30.0, 3: 101.0}) == [2]
+    assert slow_nodes({0: 5.0}) == []
