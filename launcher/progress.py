@@ -188,12 +188,12 @@ class ProgressView:
                 total=s.get("total"),
                 file=sys.stderr,
                 dynamic_ncols=True,
-                bar_format="{percentage:3.0f}%|{bar}| {postfix}",
+                bar_format="{percentage:3.0f}% |{bar:20}| {desc}",
             )
         if s.get("total") and self.bar.total != s["total"]:
             self.bar.total = s["total"]
         self.bar.n = s["iteration"]
-        self.bar.set_postfix_str(self.describe(), refresh=True)
+        self.bar.set_description_str(self.describe(), refresh=True)
 
     def print_lines(self, lines: list[str]) -> None:
         """Rank output, above the bar when there is one."""
