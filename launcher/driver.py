@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import ray
@@ -89,16 +89,33 @@ def launch(spec: LaunchSpec) -> LaunchResult:
         run.write_config(plan.config)
     stop = _StopSignal()
     job: _Job | None = None
+    progress = ProgressView(plan.facts if plan else TrainingFacts(), spec.world_size, spec.peak_tflops)
+    restarts: list[dict[str, Any]] = []
     outcome: dict[str, Any] = {"status": "failed", "exit_code": 1, "root_cause": None}
     try:
         # After connecting: ray.init installs its own fatal-signal handler for SIGTERM, which would
         # end the driver without teardown.
         with connect(spec) as cluster, stop.installed():
-            job = _Job(spec, cluster, profile, stop, run=run, facts=plan.facts if plan else TrainingFacts())
-            try:
-                result = job.execute()
-            finally:
-                job.teardown()
+            attempt = 0
+            while True:
+                target = spec.target if attempt == 0 else resume_target(spec.target, plan)
+                job = _Job(replace(spec, target=target), cluster, profile, stop, run=run, progress=progress,
+                           attempt=attempt)  # fmt: skip
+                try:
+                    result = job.execute()
+                    break
+                except RankFailedError as e:
+                    if attempt >= spec.max_restarts:
+                        raise
+                    attempt += 1
+                    print(e.report(), file=sys.stderr, flush=True)
+                    restarts.append({"attempt": attempt, "cause": str(e), "at": time.time()})
+                    log.warning(
+                        "restart %d of %d after: %s; relaunching every rank (waiting up to %gs for the "
+                        "layout to fit)", attempt, spec.max_restarts, e, spec.placement_timeout_s,
+                    )  # fmt: skip
+                finally:
+                    job.teardown()
         outcome = {"status": "succeeded", "exit_code": 0, "root_cause": None}
         return result
     except RankFailedError as e:
@@ -118,10 +135,24 @@ def launch(spec: LaunchSpec) -> LaunchResult:
             job=spec.job_name,
             world_size=spec.world_size,
             **outcome,
+            restarts=restarts,
             timings=job.timings if job else {},
-            progress=job.progress.stats if job and job.progress else {},
+            progress=progress.stats,
         )
         log.info("run directory: %s", run.path)
+
+
+def resume_target(target: Target, plan: Any) -> Target:
+    """The target of a relaunch: a Megatron recipe that saves checkpoints loads the latest of them
+    (bridge resumes the iteration count from `checkpoint.load`); other programs resume themselves,
+    as under torchrun (TORCHELASTIC_RESTART_COUNT tells them it is a restart)."""
+    if target.kind != "megatron" or plan is None:
+        return target
+    ckpt = plan.config.checkpoint
+    if not ckpt.save or ckpt.load or any(a.startswith("checkpoint.load=") for a in target.args):
+        return target
+    log.info("the relaunch resumes from the recipe's checkpoints: checkpoint.load=%s", ckpt.save)
+    return replace(target, args=(*target.args, f"checkpoint.load={ckpt.save}"))
 
 
 def check_target_locally(target: Target, cwd: str) -> None:
@@ -242,7 +273,8 @@ class _Job:
         gpu_share: float = 1.0,
         colocate_with: _Job | None = None,
         run: RunDir | None = None,
-        facts: TrainingFacts | None = None,
+        progress: ProgressView | None = None,
+        attempt: int = 0,
     ):
         self.spec = spec
         self.gpu_share = gpu_share  # of each rank's GPU (and CPUs) that this job's actor takes
@@ -263,9 +295,12 @@ class _Job:
         self.run = run
         self.sink = None
         self.drain_ref = None
-        self.progress = (
-            ProgressView(facts or TrainingFacts(), spec.world_size, spec.peak_tflops) if run else None
-        )
+        self.progress = progress
+        self.attempt = attempt
+        # Names of this attempt's actors and groups: those of a previous attempt may still be dying.
+        self.name = spec.job_name if attempt == 0 else f"{spec.job_name}-a{attempt}"
+        self.last_activity = time.monotonic()
+        self.writes_seen = 0
 
     def _mark(self, name: str) -> None:
         self.timings[name] = round(time.monotonic() - self.t0, 3)
@@ -329,7 +364,7 @@ class _Job:
         self.sink = (
             ray.remote(OutputSink)
             .options(
-                name=f"{spec.job_name}-output",
+                name=f"{self.name}-output",
                 namespace=NAMESPACE,
                 num_cpus=0,
                 max_restarts=0,
@@ -351,14 +386,16 @@ class _Job:
             return
         ref, self.drain_ref = self.drain_ref, None
         try:
-            lines, records = ray.get(ref)
+            lines, records, writes = ray.get(ref)
         except ray.exceptions.RayError as e:
             log.warning("rank output is no longer collected: %s", _first_line(e))
             self.sink = None
             return
-        self._show(lines, records)
+        self._show(lines, records, writes)
 
-    def _show(self, lines: list[str], records: list[dict[str, Any]]) -> None:
+    def _show(self, lines: list[str], records: list[dict[str, Any]], writes: int) -> None:
+        if writes != self.writes_seen:
+            self.writes_seen, self.last_activity = writes, time.monotonic()
         self.progress.print_lines(lines)
         for record in records:
             self.progress.update(record)
@@ -375,7 +412,7 @@ class _Job:
         if problem:
             log.warning("%s; waiting up to %gs for more nodes", problem, spec.placement_timeout_s)
         before = placement.describe_nodes()  # what others left free, for the message if we time out
-        self.groups = placement.create_groups(spec)
+        self.groups = placement.create_groups(spec, self.name)
         placed = len(wait_all([g.ready() for g in self.groups], spec.placement_timeout_s, self.stop))
         if placed < len(self.groups):
             why = f"not placed within {spec.placement_timeout_s:g}s"
@@ -395,7 +432,7 @@ class _Job:
         for s in self.slots:
             self.actors.append(
                 actor_cls.options(
-                    name=f"{spec.job_name}-rank{s.rank}",
+                    name=f"{self.name}-rank{s.rank}",
                     namespace=NAMESPACE,
                     num_cpus=spec.cpus_per_rank * self.gpu_share,
                     num_gpus=self.gpu_share if spec.uses_gpus else 0,
@@ -432,7 +469,7 @@ class _Job:
                 f"--master-port {spec.master_port} is in use on the master node {master_addr}; choose "
                 "another port or leave --master-port out to pick a free one"
             )
-        port = ports.reserve(master_addr, found, spec.job_name)
+        port = ports.reserve(master_addr, found, self.name)
         if port is not None:
             self.port_reserved = (master_addr, port)  # ours to release at teardown
             return port
@@ -458,6 +495,8 @@ class _Job:
                 master_addr=master_addr,
                 master_port=master_port,
                 run_id=spec.job_name,
+                restart_count=self.attempt,
+                max_restarts=spec.max_restarts,
                 visible_devices=visible[s.node_rank],
             )
             decisions.append(
@@ -480,9 +519,13 @@ class _Job:
         returns: list[Any] = [None] * len(run_refs)
         failures: list[RankFailure] = []
         pending = list(run_refs)
+        self.last_activity = time.monotonic()
         while pending:
             self.stop.check()
             self.pump_output()
+            idle = time.monotonic() - self.last_activity
+            if spec.hang_timeout_s and self.sink is not None and idle > spec.hang_timeout_s:
+                raise self._hang(idle)
             done, pending = ray.wait(pending, num_returns=1, timeout=0.25)
             if not done:
                 continue
@@ -538,6 +581,37 @@ class _Job:
                 at=out["at"],
             )
         )
+
+    def _hang(self, idle_s: float) -> RankFailedError:
+        """Every rank's state and stack, read on its node; the failure that ends this attempt."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from .hang import hang_failures, inspect_processes
+
+        log.error("no output or progress from any rank for %.0fs: reading every rank's stack", idle_s)
+        by_node: dict[str, list[int]] = {}
+        for r, info in enumerate(self.infos):
+            by_node.setdefault(info["node_id"], []).append(r)
+        task = ray.remote(inspect_processes)
+        refs = {
+            node: task.options(
+                num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)
+            ).remote([self.infos[r]["pid"] for r in ranks])
+            for node, ranks in by_node.items()
+        }
+        seen: dict[int, dict[str, Any]] = {}
+        for node, ref in refs.items():
+            try:
+                for r, found in zip(by_node[node], ray.get(ref, timeout=60), strict=True):
+                    seen[r] = found
+            except ray.exceptions.RayError as e:
+                log.warning("could not inspect the ranks on node %s: %s", node[:8], _first_line(e))
+        self.pump_output(wait_s=2.0)  # faulthandler stacks of console ranks, if any
+        for r in sorted(seen):
+            if seen[r].get("stack"):
+                log.error("stack of rank %d (pid %s):\n%s", r, seen[r]["pid"], seen[r]["stack"].rstrip())
+        ranks = [dataclasses.asdict(r) for r in self.ranks]
+        return RankFailedError(hang_failures(idle_s, ranks, seen), self.spec.world_size)
 
     # -- logging -------------------------------------------------------------------------------
     def _log_topology(self, ranks: tuple[RankInfo, ...], master_addr: str, master_port: int) -> None:
@@ -596,6 +670,7 @@ class _Job:
         with contextlib.suppress(Exception):
             if self.drain_ref is not None:
                 self._show(*ray.get(self.drain_ref, timeout=5))
+                self.drain_ref = None
             self._show(*ray.get(sink.finish.remote(), timeout=10))
         self.progress.close()
         with contextlib.suppress(Exception):

@@ -14,13 +14,34 @@ import socket
 from datetime import timedelta
 from typing import Any
 
+DRY_RUN_OPTIONS = {"steps": int, "save": str, "save_every": int}
 
-def check_and_train() -> dict[str, Any]:
+
+def parse_options(args: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """`--dry-run steps=40 save=DIR save_every=5`: the tiny trainer's length and checkpoints."""
+    options: dict[str, Any] = {}
+    for item in args:
+        key, sep, value = item.partition("=")
+        if not sep or key not in DRY_RUN_OPTIONS:
+            raise ValueError(
+                f"--dry-run takes {', '.join(k + '=' for k in DRY_RUN_OPTIONS)} options, got {item!r}"
+            )
+        try:
+            options[key] = DRY_RUN_OPTIONS[key](value)
+        except ValueError:
+            raise ValueError(f"--dry-run {item!r}: {key} must be {DRY_RUN_OPTIONS[key].__name__}") from None
+        if DRY_RUN_OPTIONS[key] is int and options[key] < 1:
+            raise ValueError(f"--dry-run {item!r}: {key} must be at least 1")
+    return options
+
+
+def check_and_train(*args: str) -> dict[str, Any]:
+    options = parse_options(args)
     result = check()
     if importlib.util.find_spec("megatron.core") is not None:
         from .tiny_gpt import train
 
-        result["training"] = train()
+        result["training"] = train(**options)
     else:
         result["training"] = None
     return result

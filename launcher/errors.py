@@ -61,6 +61,10 @@ class RankFailure:
     at: float = 0.0  # wall-clock time of the failure, to pick the root cause across ranks
 
 
+# A dead process, then a stuck one (stopped, in a hang), before ranks that merely raised or waited.
+_ROOT_ORDER = {"died": 0, "hung": 1}
+
+
 class RankFailedError(MegarayError):
     """One or more ranks failed; the earliest failure is the root cause (as torch elastic reports).
 
@@ -71,7 +75,7 @@ class RankFailedError(MegarayError):
     exit_code = 1
 
     def __init__(self, failures: list[RankFailure], world_size: int):
-        self.failures = sorted(failures, key=lambda f: (f.kind != "died", f.at, f.rank))
+        self.failures = sorted(failures, key=lambda f: (_ROOT_ORDER.get(f.kind, 2), f.at, f.rank))
         self.world_size = world_size
         self.root = self.failures[0]
         super().__init__(

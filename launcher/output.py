@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import codecs
 import contextlib
+import faulthandler
 import fcntl
 import os
 import select
+import signal
 import sys
 import termios
 import threading
@@ -47,10 +49,20 @@ def prefix(rank: int, node_rank: int) -> str:
     return f"[r{rank} n{node_rank}] "
 
 
+_current: Capture | None = None
+
+
+def current_sink() -> Any:
+    """The sink this rank's output goes to (None outside a megaray launch)."""
+    return _current.sink if _current is not None else None
+
+
 class Capture:
     """In a rank: file descriptors 1 and 2 go to a pipe; a thread sends what arrives to the sink."""
 
     def __init__(self, sink: Any, rank: int):
+        global _current
+        _current = self
         self.sink, self.rank = sink, rank
         self.last_ref = None
         self.busy = False
@@ -66,6 +78,8 @@ class Capture:
             with contextlib.suppress(AttributeError, ValueError):
                 stream.reconfigure(line_buffering=True)
         threading.Thread(target=self._pump, name="megaray-output", daemon=True).start()
+        # On a hang the driver asks for this rank's stack where py-spy cannot attach.
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 
     def _pump(self) -> None:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
@@ -118,8 +132,10 @@ class OutputSink:
         self.partial: dict[int, str] = {}
         self.console: list[str] = []
         self.progress: list[dict[str, Any]] = []
+        self.writes = 0  # any rank's activity, for the driver's hang detection
 
     def write(self, rank: int, text: str) -> None:
+        self.writes += 1
         lines = (self.partial.pop(rank, "") + text).split("\n")
         if lines[-1]:
             self.partial[rank] = lines[-1]
@@ -142,14 +158,16 @@ class OutputSink:
 
     def report(self, rank: int, record: dict[str, Any]) -> None:
         """Progress sent by `launcher.progress.report()` on a rank."""
+        self.writes += 1
         self.progress.append({**record, "rank": rank})
 
-    def drain(self) -> tuple[list[str], list[dict[str, Any]]]:
-        out = (self.console, self.progress)
+    def drain(self) -> tuple[list[str], list[dict[str, Any]], int]:
+        """Console lines and progress since the last call, and the count of writes so far."""
+        out = (self.console, self.progress, self.writes)
         self.console, self.progress = [], []
         return out
 
-    def finish(self) -> tuple[list[str], list[dict[str, Any]]]:
+    def finish(self) -> tuple[list[str], list[dict[str, Any]], int]:
         """Flush unterminated last lines and close the files; what is left for the console."""
         for rank, rest in sorted(self.partial.items()):
             self._lines(rank, [rest])

@@ -62,14 +62,14 @@ def feasibility_problem(spec: LaunchSpec) -> str | None:
     return f"only {fit} node(s) of the cluster can hold one group"
 
 
-def create_groups(spec: LaunchSpec) -> list[PlacementGroup]:
+def create_groups(spec: LaunchSpec, name: str | None = None) -> list[PlacementGroup]:
     """All groups are requested before any is waited on, so they are scheduled together."""
     bundle = bundle_for(spec)
     return [
         placement_group(
             [dict(bundle) for _ in range(spec.gpus_per_node)],
             strategy="STRICT_PACK",
-            name=f"{spec.job_name}-node{i}",
+            name=f"{name or spec.job_name}-node{i}",
         )
         for i in range(spec.nodes)
     ]

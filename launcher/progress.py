@@ -45,29 +45,22 @@ def parse_megatron_line(line: str) -> dict[str, Any] | None:
     return record
 
 
-_sink_handle: Any = None
-
-
 def report(iteration: int, total: int | None = None, loss: float | None = None, tokens: int | None = None):
     """Tell the driver how training goes, from a rank (usually the one that has the loss).
 
     `tokens` is what one iteration processes across all ranks (global batch x sequence length).
     Outside a megaray launch this does nothing, so programs can call it unconditionally.
     """
-    global _sink_handle
-    if _sink_handle is None:
-        ray = sys.modules.get("ray")
-        if ray is None or not ray.is_initialized() or "TORCHELASTIC_RUN_ID" not in os.environ:
-            return  # not a megaray rank (torchrun, or a plain process)
-        try:
-            _sink_handle = ray.get_actor(f"{os.environ['TORCHELASTIC_RUN_ID']}-output", namespace="megaray")
-        except ValueError:
-            return
+    from .output import current_sink
+
+    sink = current_sink()
+    if sink is None:
+        return  # not a megaray rank (torchrun, or a plain process)
     record = {"iteration": int(iteration), "time": time.time()}
     for key, value in (("total", total), ("loss", loss), ("tokens", tokens)):
         if value is not None:
             record[key] = value
-    _sink_handle.report.remote(int(os.environ.get("RANK", "0")), record)
+    sink.report.remote(int(os.environ.get("RANK", "0")), record)
 
 
 @dataclass(frozen=True)

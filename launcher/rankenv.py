@@ -59,6 +59,8 @@ def contract_env(
     master_port: int,
     run_id: str,
     visible_devices: str,
+    restart_count: int = 0,
+    max_restarts: int = 0,
 ) -> dict[str, str]:
     """The torchrun env contract for one rank."""
     env = {
@@ -75,8 +77,8 @@ def contract_env(
         "MASTER_ADDR": master_addr,
         "MASTER_PORT": master_port,
         "TORCHELASTIC_RUN_ID": run_id,
-        "TORCHELASTIC_RESTART_COUNT": 0,
-        "TORCHELASTIC_MAX_RESTARTS": 0,
+        "TORCHELASTIC_RESTART_COUNT": restart_count,
+        "TORCHELASTIC_MAX_RESTARTS": max_restarts,
         "CUDA_VISIBLE_DEVICES": visible_devices,
     }
     return {k: str(v) for k, v in env.items()}

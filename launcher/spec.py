@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .dryrun import parse_options as parse_dry_run_options
 from .errors import UsageError
 from .output import parse_rank_list
 from .progress import H100_SXM_BF16_TFLOPS
@@ -22,6 +23,9 @@ from .rankenv import parse_env_pairs
 from .recipes import Recipe, check_overrides, load_recipe
 
 DEFAULT_PLACEMENT_TIMEOUT_S = 120.0
+# Well under NCCL's 10-minute collective timeout, so a hang is reported (with stacks) by megaray
+# first; long enough for checkpoint saves and data-index builds that print nothing.
+DEFAULT_HANG_TIMEOUT_S = 300.0
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 _ENTRYPOINT = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 _MODULE = re.compile(r"^[A-Za-z_][\w.]*$")
@@ -81,6 +85,8 @@ class LaunchSpec:
     log_ranks: str = "0"  # ranks whose output the console shows ("all", or "0,3,8-11")
     runs_dir: str = "runs"  # run directories go to <runs_dir>/<job_name>, relative to cwd
     peak_tflops: float = H100_SXM_BF16_TFLOPS  # per GPU, the denominator of MFU
+    max_restarts: int = 0  # relaunches of the whole group after a failure, as torchrun --max-restarts
+    hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S  # no rank output or progress this long: a hang; 0: off
 
     def __post_init__(self):
         if self.nodes < 1:
@@ -106,6 +112,10 @@ class LaunchSpec:
         if self.check_only and self.target.kind != "megatron":
             raise ValueError("--check validates a Megatron layout: give it with --recipe")
         parse_rank_list(self.log_ranks, self.world_size)
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
+        if self.hang_timeout_s < 0:
+            raise ValueError(f"--hang-timeout must be 0 (off) or more seconds, got {self.hang_timeout_s}")
         if self.peak_tflops <= 0:
             raise ValueError(f"--peak-tflops must be above 0, got {self.peak_tflops}")
         if self.dry_run != (self.target.kind == "dryrun"):
@@ -212,6 +222,20 @@ def build_parser() -> argparse.ArgumentParser:
         default=H100_SXM_BF16_TFLOPS,
         help=f"peak TFLOP/s per GPU for MFU (default {H100_SXM_BF16_TFLOPS:g}: H100 SXM, dense BF16)",
     )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="after a rank or node failure or a hang, relaunch the whole group up to N times (Megatron "
+        "recipes resume from their last checkpoint)",
+    )
+    p.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=DEFAULT_HANG_TIMEOUT_S,
+        help=f"seconds without output or progress from any rank before the job counts as hung; its stacks "
+        f"are printed (default {DEFAULT_HANG_TIMEOUT_S:g}; 0 turns it off)",
+    )
     p.add_argument("target", nargs="?", help="script to run on every rank, as torchrun runs it")
     p.add_argument("target_args", nargs=argparse.REMAINDER, help="arguments for the script or function")
     return p
@@ -229,8 +253,10 @@ def spec_from_args(
     if len(given) > 1:
         raise UsageError(f"give one target: {' or '.join(given)}, not several")
     try:
-        if args.dry_run and not (given or args.target):
-            target = DRY_RUN_TARGET
+        if args.dry_run and not given and all("=" in a for a in _script_args(args)):
+            options = tuple(_script_args(args))
+            parse_dry_run_options(options)
+            target = Target(DRY_RUN_TARGET.kind, DRY_RUN_TARGET.name, options)
         elif args.recipe:
             overrides = _script_args(args)
             check_overrides(overrides)
@@ -265,6 +291,8 @@ def spec_from_args(
             log_ranks=args.log_ranks,
             runs_dir=args.runs_dir,
             peak_tflops=args.peak_tflops,
+            max_restarts=args.max_restarts,
+            hang_timeout_s=args.hang_timeout,
         )
     except ValueError as e:
         raise UsageError(str(e)) from None

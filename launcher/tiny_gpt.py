@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 from .progress import report
@@ -32,13 +33,17 @@ def train(
     micro_batch: int = 4,
     microbatches: int = 2,
     lr: float = 3e-3,
+    save: str | None = None,
+    save_every: int = 5,
 ) -> dict[str, Any]:
+    """Train; with `save`, checkpoint every `save_every` steps and resume from the latest one there."""
     import torch
     import torch.distributed as dist
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     try:
-        return _train(steps, seq, vocab, hidden, heads, layers, micro_batch, microbatches, lr)
+        ckpt = Checkpoints(save, save_every) if save else None
+        return _train(steps, seq, vocab, hidden, heads, layers, micro_batch, microbatches, lr, ckpt)
     finally:
         from megatron.core import parallel_state
 
@@ -47,7 +52,39 @@ def train(
         del torch
 
 
-def _train(steps, seq, vocab, hidden, heads, layers, micro_batch, microbatches, lr) -> dict[str, Any]:
+class Checkpoints:
+    """Per-rank checkpoints in `<dir>/iter_<N>/rank<r>.pt`, and `<dir>/latest` naming the last complete
+    one (written by rank 0 after every rank has saved), as Megatron's tracker file does."""
+
+    def __init__(self, root: str, every: int):
+        self.root, self.every = Path(root), every
+
+    def latest(self) -> int:
+        tracker = self.root / "latest"
+        return int(tracker.read_text()) if tracker.is_file() else 0
+
+    def save(self, iteration: int, rank: int, state: dict[str, Any]) -> None:
+        import torch
+        import torch.distributed as dist
+
+        folder = self.root / f"iter_{iteration:07d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save(state, folder / f"rank{rank}.pt")
+        dist.barrier()
+        if rank == 0:
+            tmp = self.root / "latest.tmp"
+            tmp.write_text(str(iteration))
+            tmp.replace(self.root / "latest")
+            print(f"saved checkpoint at iteration {iteration} to {self.root}", flush=True)
+        dist.barrier()
+
+    def load(self, iteration: int, rank: int) -> dict[str, Any]:
+        import torch
+
+        return torch.load(self.root / f"iter_{iteration:07d}" / f"rank{rank}.pt", weights_only=False)
+
+
+def _train(steps, seq, vocab, hidden, heads, layers, micro_batch, microbatches, lr, ckpt) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -135,12 +172,20 @@ def _train(steps, seq, vocab, hidden, heads, layers, micro_batch, microbatches, 
 
     data = batches()
     losses: list[float] = []
+    first = ckpt.latest() if ckpt else 0
+    if first:
+        state = ckpt.load(first, rank)
+        ddp.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        gen.set_state(state["data"])
+        if rank == 0:
+            print(f"resumed from checkpoint at iteration {first}", flush=True)
     reporter = (
         parallel_state.is_pipeline_last_stage()
         and parallel_state.get_tensor_model_parallel_rank() == 0
         and parallel_state.get_data_parallel_rank() == 0
     )
-    for step in range(steps):
+    for step in range(first, steps):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         out = forward_backward(
@@ -158,4 +203,8 @@ def _train(steps, seq, vocab, hidden, heads, layers, micro_batch, microbatches, 
             losses.append(float(sum(o["lm loss"] for o in out)))
             if reporter:  # one rank tells the driver, as Megatron logs on one rank
                 report(step + 1, steps, losses[-1], tokens=micro_batch * microbatches * dp * seq)
-    return {"rank": rank, "tp": tp, "pp": pp, "dp": dp, "losses": losses or None}
+        if ckpt and (step + 1) % ckpt.every == 0 and step + 1 < steps:
+            state = {"model": ddp.state_dict(), "optimizer": optimizer.state_dict(), "data": gen.get_state()}
+            ckpt.save(step + 1, rank, state)
+    return {"rank": rank, "tp": tp, "pp": pp, "dp": dp, "losses": losses or None, "first_iteration": first,
+            "iterations": steps}  # fmt: skip

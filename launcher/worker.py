@@ -177,7 +177,7 @@ def run_target(target: Target, cwd: str) -> Any:
     if target.kind == "dryrun":
         from .dryrun import check_and_train
 
-        return check_and_train()
+        return check_and_train(*target.args)
     if target.kind == "megatron":
         from .bridge_target import pretrain_recipe
 

@@ -37,10 +37,11 @@ def test_the_sink_prefixes_lines_keeps_partial_ones_and_picks_console_ranks(tmp_
     sink.write(0, "rank zero\n")
     sink.write(2, "line\n" + BRIDGE_LINE + "\n")
     sink.write(3, "no newline at the end")
-    console, progress = sink.drain()
+    console, progress, writes = sink.drain()
+    assert writes == 4
     assert console == ["[r0 n0] rank zero"]
     assert [(p["rank"], p["iteration"], p["total"], p["loss"]) for p in progress] == [(2, 40, 100, 1.331)]
-    assert sink.drain() == ([], [])
+    assert sink.drain() == ([], [], 4)
     sink.finish()
     assert (tmp_path / "rank-2.log").read_text().splitlines()[:2] == [
         "[r2 n1] first line",

@@ -1,0 +1,199 @@
+"""Surviving failures on a simulated cluster: a killed rank, a lost node, a hung rank, and running
+out of restarts. Drivers run as separate processes, as users run them, so the test can kill ranks
+and remove nodes while they run."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from .conftest import REPO, free_port, leftovers
+
+pytestmark = pytest.mark.slow
+
+# Ray declares a node dead after health_check_failure_threshold missed checks, one every
+# health_check_period_ms (defaults: 5 x 3 s): faster here, as the README shows how to set it.
+HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
+NODE = {"num_cpus": 2, "num_gpus": 2}
+
+LOOP = """
+import os, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank, restart = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
+steps = 3 if restart else 400
+for i in range(steps):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if rank == 0:
+        print(f"restart {restart} step {i}", flush=True)
+    time.sleep(0.1)
+dist.destroy_process_group()
+"""
+
+FAIL_ALWAYS = "import os\nif os.environ['RANK'] == '1':\n    raise SystemExit('rank one cannot go on')\n"
+
+STOPPER = """
+import os, signal
+import torch.distributed as dist
+dist.init_process_group("gloo")
+dist.barrier()
+if dist.get_rank() == 1:
+    os.kill(os.getpid(), signal.SIGSTOP)
+dist.barrier()
+"""
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    os.chdir(REPO)
+    c = Cluster(
+        initialize_head=True,
+        head_node_args={
+            "num_cpus": 1,
+            "num_gpus": 0,
+            "dashboard_port": free_port(),
+            "_system_config": HEALTH,
+        },
+    )
+    c.add_node(**NODE)
+    c.add_node(**NODE)
+    c.wait_for_nodes()
+    ray.init(address=c.address, namespace="megaray")
+    yield c
+    ray.shutdown()
+    c.shutdown()
+
+
+def driver(cluster, job: str, runs: Path, args: str) -> subprocess.Popen:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    argv = [sys.executable, str(REPO / "main.py"), "--job-name", job, "--address", cluster.address]
+    argv += ["--runs-dir", str(runs), *args.split()]
+    return subprocess.Popen(
+        argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def wait_for_line(path: Path, pattern: str, proc: subprocess.Popen, timeout_s: float = 120) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if path.exists():
+            found = re.search(pattern, path.read_text())
+            if found:
+                return found.group(0)
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+        time.sleep(0.1)
+    raise AssertionError(f"{pattern!r} never appeared in {path}")
+
+
+def test_a_killed_rank_is_relaunched_and_training_resumes_from_the_last_checkpoint(cluster, tmp_path):
+    runs, ckpt = tmp_path / "runs", tmp_path / "ckpt"
+    job = "resume"
+    args = f"--nodes 2 --gpus-per-node 2 --max-restarts 1 --dry-run steps=40 save={ckpt} save_every=5"
+    proc = driver(cluster, job, runs, args)
+    wait_for_line(runs / job / "rank-0.log", r"saved checkpoint at iteration 10\b", proc)
+    victim = json.loads((runs / job / "topology.json").read_text())["ranks"][3]["pid"]
+    os.kill(victim, 9)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-5000:]
+    assert "restart 1 of 1 after: rank 3 on" in out and "its process exited unexpectedly" in out
+    log = (runs / job / "rank-0.log").read_text()
+    before, after = log.split("resumed from checkpoint at iteration ")
+    resumed = int(after.split()[0])
+    saved_before = [int(n) for n in re.findall(r"saved checkpoint at iteration (\d+)", before)]
+    assert resumed == max(saved_before) >= 10  # nothing older than the last checkpoint
+    summary = json.loads((runs / job / "summary.json").read_text())
+    assert summary["status"] == "succeeded" and len(summary["restarts"]) == 1
+    assert summary["progress"]["iteration"] == 40  # the iteration count carried on to the end
+    trained = re.search(r"loss [\d.]+ -> [\d.]+ over (\d+) steps", out)
+    assert trained and int(trained.group(1)) == 40 - resumed
+    assert leftovers(job) == ([], [])
+
+
+def test_restarts_exhausted_fail_with_the_last_cause(cluster, tmp_path):
+    script = tmp_path / "fail.py"
+    script.write_text(FAIL_ALWAYS)
+    proc = driver(
+        cluster, "exhaust", tmp_path, f"--device cpu --nodes 2 --gpus-per-node 1 --max-restarts 2 {script}"
+    )
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 1, out[-4000:]
+    assert "restart 1 of 2 after: rank 1" in out and "restart 2 of 2 after: rank 1" in out
+    assert "restart 3" not in out
+    assert (
+        out.rstrip().splitlines()[-1].startswith("=" * 10)
+        and "rank one cannot go on" in out.split("restart 2")[1]
+    )
+    summary = json.loads((tmp_path / "exhaust" / "summary.json").read_text())
+    assert (summary["status"], summary["exit_code"], len(summary["restarts"])) == ("failed", 1, 2)
+    assert "rank one cannot go on" in summary["root_cause"]
+    assert leftovers("exhaust") == ([], [])
+
+
+def test_a_stopped_rank_is_reported_as_a_hang_with_stacks(cluster, tmp_path):
+    script = tmp_path / "stopper.py"
+    script.write_text(STOPPER)
+    proc = driver(
+        cluster, "hang", tmp_path, f"--device cpu --nodes 2 --gpus-per-node 1 --hang-timeout 10 {script}"
+    )
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 1, out[-4000:]
+    root = out.split("Root cause (first failure):")[1]
+    assert "rank      : 1 of 2" in root and "process stopped (SIGSTOP)" in root
+    assert "no output or progress from any rank for" in root
+    others = root.split("Other failures:")[1]
+    assert "rank 0 on" in others and "barrier" in others  # the waiting peer's stack, read by py-spy
+    assert "stack of rank 0" in out
+    summary = json.loads((tmp_path / "hang" / "summary.json").read_text())
+    started, ended = summary["timings"]["started"], summary["timings"]["torn_down"]
+    assert ended - started < 10 + 30  # the timeout plus slack for stack reading on a busy 2-core machine
+    assert leftovers("hang") == ([], [])
+
+
+def _node_of_rank(cluster, runs: Path, job: str, rank: int):
+    ip_pid = json.loads((runs / job / "topology.json").read_text())["ranks"][rank]["pid"]
+    node_id = next(a.node_id for a in ray.util.state.list_actors(filters=[("pid", "=", ip_pid)]))
+    return next(n for n in cluster.worker_nodes if n.node_id == node_id)
+
+
+def test_a_lost_node_is_detected_and_the_job_relaunched_when_a_node_returns(cluster, tmp_path):
+    proc = driver(
+        cluster, "nodeloss", tmp_path, f"--nodes 2 --gpus-per-node 2 --max-restarts 1 {_loop(tmp_path)}"
+    )
+    wait_for_line(tmp_path / "nodeloss" / "rank-0.log", r"restart 0 step 5\b", proc)
+    cluster.remove_node(_node_of_rank(cluster, tmp_path, "nodeloss", 3))
+    time.sleep(2)
+    cluster.add_node(**NODE)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-5000:]
+    assert "restart 1 of 1 after: rank" in out
+    assert "restart 1 step 2" in (tmp_path / "nodeloss" / "rank-0.log").read_text()
+    assert leftovers("nodeloss") == ([], [])
+
+
+def test_a_lost_node_that_never_returns_fails_clearly(cluster, tmp_path):
+    args = f"--nodes 2 --gpus-per-node 2 --max-restarts 1 --placement-timeout 5 {_loop(tmp_path)}"
+    proc = driver(cluster, "gone", tmp_path, args)
+    wait_for_line(tmp_path / "gone" / "rank-0.log", r"restart 0 step 5\b", proc)
+    cluster.remove_node(_node_of_rank(cluster, tmp_path, "gone", 3))
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 2, out[-5000:]
+    assert "restart 1 of 1 after: rank" in out
+    assert "not placed within 5s" in out.splitlines()[-2] + out.splitlines()[-1]
+    assert leftovers("gone") == ([], [])
+    cluster.add_node(**NODE)  # leave the cluster as the other tests found it
+
+
+def _loop(tmp_path: Path) -> Path:
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    return script
