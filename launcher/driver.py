@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import importlib.util
 import logging
+import math
 import os
 import signal
 import sys
@@ -50,6 +51,7 @@ log = logging.getLogger("megaray")
 
 ACTOR_START_TIMEOUT_S = 300.0  # covers runtime-env set-up and image pulls on first use of a node
 ROOT_CAUSE_WINDOW_S = 0.1  # failures arriving this close together are compared to find the first
+STARTUP_GRACE_S = 120.0  # the least silence allowed before the first line of any rank
 
 
 @dataclass(frozen=True)
@@ -97,8 +99,9 @@ def launch(spec: LaunchSpec) -> LaunchResult:
         # end the driver without teardown.
         with connect(spec) as cluster, stop.installed():
             attempt = 0
+            first_target = align_timeouts(spec, plan)
             while True:
-                target = spec.target if attempt == 0 else resume_target(spec.target, plan)
+                target = first_target if attempt == 0 else resume_target(first_target, plan)
                 job = _Job(replace(spec, target=target), cluster, profile, stop, run=run, progress=progress,
                            attempt=attempt)  # fmt: skip
                 try:
@@ -140,6 +143,26 @@ def launch(spec: LaunchSpec) -> LaunchResult:
             progress=progress.stats,
         )
         log.info("run directory: %s", run.path)
+
+
+def align_timeouts(spec: LaunchSpec, plan: Any) -> Target:
+    """Megatron's collective timeout must outlast --hang-timeout, so a hang is caught here, with
+    stacks, and not by NCCL's watchdog: raise `dist.distributed_timeout_minutes` unless set by hand."""
+    target = spec.target
+    if target.kind != "megatron" or plan is None or not spec.hang_timeout_s:
+        return target
+    minutes = plan.config.dist.distributed_timeout_minutes
+    if minutes * 60 > spec.hang_timeout_s + 60:
+        return target
+    if any(a.startswith("dist.distributed_timeout_minutes=") for a in target.args):
+        log.warning(
+            "dist.distributed_timeout_minutes=%s is not above --hang-timeout %gs: NCCL will time out before "
+            "megaray reports the hang", minutes, spec.hang_timeout_s,
+        )  # fmt: skip
+        return target
+    wanted = math.ceil((spec.hang_timeout_s + 120) / 60)
+    log.info("dist.distributed_timeout_minutes=%d, above --hang-timeout %gs", wanted, spec.hang_timeout_s)
+    return replace(target, args=(*target.args, f"dist.distributed_timeout_minutes={wanted}"))
 
 
 def resume_target(target: Target, plan: Any) -> Target:
@@ -524,7 +547,9 @@ class _Job:
             self.stop.check()
             self.pump_output()
             idle = time.monotonic() - self.last_activity
-            if spec.hang_timeout_s and self.sink is not None and idle > spec.hang_timeout_s:
+            # Before any rank has printed (imports, rendezvous), a short --hang-timeout is not enough.
+            limit = spec.hang_timeout_s if self.writes_seen else max(spec.hang_timeout_s, STARTUP_GRACE_S)
+            if spec.hang_timeout_s and self.sink is not None and idle > limit:
                 raise self._hang(idle)
             done, pending = ray.wait(pending, num_returns=1, timeout=0.25)
             if not done:
@@ -606,7 +631,8 @@ class _Job:
                     seen[r] = found
             except ray.exceptions.RayError as e:
                 log.warning("could not inspect the ranks on node %s: %s", node[:8], _first_line(e))
-        self.pump_output(wait_s=2.0)  # faulthandler stacks of console ranks, if any
+        if any(str(v.get("how", "")).startswith("faulthandler") for v in seen.values()):
+            self.pump_output(wait_s=2.0)  # their stacks reach the rank logs through the sink
         for r in sorted(seen):
             if seen[r].get("stack"):
                 log.error("stack of rank %d (pid %s):\n%s", r, seen[r]["pid"], seen[r]["stack"].rstrip())

@@ -38,6 +38,15 @@ def test_teardown_measures_both_launchers(capsys):
     assert "megaray/torchrun" in capsys.readouterr().out
 
 
+def test_failures_times_rank_death_node_loss_and_a_hang(capsys):
+    import failures
+
+    results = failures.main(["--repeats", "1", "--hang-timeout", "2"])
+    assert set(results) == {"rank death", "node loss", "hang"}
+    assert all(len(runs) == 1 and runs[0][0] > 0 for runs in results.values())
+    assert "NCCL's watchdog" in capsys.readouterr().out
+
+
 def test_gpu_parity_report_reads_megatron_logs(tmp_path, capsys):
     import parity_report
 

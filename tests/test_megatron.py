@@ -83,6 +83,24 @@ def test_flops_per_token_is_megatrons_formula_for_llama3_8b_at_8192():
     assert (facts.seq_length, facts.global_batch) == (8192, cfg.train.global_batch_size)
 
 
+def test_relaunches_resume_from_the_recipe_checkpoints_and_nccl_outlasts_the_hang_timeout(configs, tmp_path):
+    from launcher.driver import align_timeouts, resume_target
+    from launcher.preflight import Plan
+    from launcher.spec import spec_from_args
+
+    spec = spec_from_args(["--recipe", "gpt_small", "--hang-timeout", "900", f"checkpoint.save={tmp_path}"])
+    cfg = build_config(spec.target.recipe, list(spec.target.args))[0]
+    plan = Plan(layout=None, config=cfg, facts=facts_from_config(cfg))
+    assert cfg.dist.distributed_timeout_minutes * 60 <= 900  # bridge's default would fire first
+    first = align_timeouts(spec, plan)
+    assert first.args[-1] == "dist.distributed_timeout_minutes=17"
+    again = resume_target(first, plan)
+    assert again.args[-1] == f"checkpoint.load={tmp_path}"
+    assert build_config(spec.target.recipe, list(again.args))[0].checkpoint.load == str(tmp_path)
+    short = spec_from_args(["--recipe", "gpt_small", "--hang-timeout", "60"])
+    assert align_timeouts(short, plan) == short.target  # 10 minutes already outlast a minute
+
+
 def test_command_line_overrides_beat_the_recipe_file_which_beats_bridge():
     recipe = load_recipe("gpt_small")
     cfg, _ = build_config(recipe, ["model.num_layers=2", "train.train_iters=7"])
