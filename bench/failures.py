@@ -4,8 +4,9 @@ For each, the time from the event to every rank process gone with the job's plac
 removed, and to the driver's exit, on a simulated cluster (2 nodes x 1 CPU rank). Node loss is
 detected by Ray's health checks, set here as the README shows (period 500 ms, 3 misses); a hang by
 --hang-timeout, which is subtracted so what is left is megaray's own delay (stack reading included).
-torchrun has no counterpart for the last two: a lost node or a hung rank waits for NCCL's watchdog
-(10 minutes by default).
+torchrun has no counterpart for those two: a lost node or a hung rank waits for NCCL's watchdog
+(10 minutes by default). Last, restart speed: with --max-restarts 1, from a rank's SIGKILL to every
+relaunched rank past init_process_group.
 
     python bench/failures.py --repeats 3 --hang-timeout 3
 """
@@ -60,9 +61,10 @@ def once(cluster, scenario: str, job: str, hang_timeout: float) -> tuple[float, 
     runs = Path(tempfile.mkdtemp(prefix="megaray-failures-"))
     (runs / "loop.py").write_text(LOOP)
     hang = hang_timeout if scenario == "hang" else 0
+    restarts = 1 if scenario == "restart" else 0
     cmd = [PY, str(REPO / "main.py"), "--address", cluster.address, "--job-name", job, "--device", "cpu",
            "--nodes", "2", "--gpus-per-node", "1", "--runs-dir", str(runs), "--hang-timeout", str(hang),
-           str(runs / "loop.py"), str(runs)]  # fmt: skip
+           "--max-restarts", str(restarts), str(runs / "loop.py"), str(runs)]  # fmt: skip
     p = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         topo = runs / job / "topology.json"
@@ -74,6 +76,17 @@ def once(cluster, scenario: str, job: str, hang_timeout: float) -> tuple[float, 
         ranks = json.loads(topo.read_text())["ranks"]
         pids = [r["pid"] for r in ranks]
         t0 = time.monotonic()
+        if scenario == "restart":  # to the relaunched ranks past init_process_group, then stop
+            os.kill(pids[1], signal.SIGKILL)
+            first = (runs / "pid-0").read_text()
+            while (runs / "pid-0").read_text() in ("", first):
+                if time.monotonic() - t0 > 120 or p.poll() is not None:
+                    raise RuntimeError("restart: the ranks were not relaunched within 120 s")
+                time.sleep(0.01)
+            took = time.monotonic() - t0
+            p.send_signal(signal.SIGINT)
+            p.wait(60)
+            return took, took
         if scenario == "rank death":
             os.kill(pids[1], signal.SIGKILL)
         elif scenario == "hang":
@@ -121,7 +134,7 @@ def main(argv: list[str] | None = None) -> dict:
     ray.init(address=cluster.address, log_to_driver=False)
     results: dict[str, list[tuple[float, float]]] = {}
     try:
-        for scenario in ("rank death", "node loss", "hang"):
+        for scenario in ("rank death", "node loss", "hang", "restart"):
             results[scenario] = [
                 once(cluster, scenario, f"fail{i}-{scenario.split()[0]}", args.hang_timeout)
                 for i in range(args.repeats)
@@ -135,8 +148,12 @@ def main(argv: list[str] | None = None) -> dict:
         "node loss": f" (Ray health checks: {HEALTH['health_check_period_ms']} ms x "
         f"{HEALTH['health_check_failure_threshold']})",
         "hang": f" (after --hang-timeout {args.hang_timeout:g}s)",
+        "restart": " (--max-restarts 1: SIGKILL to the new ranks past init_process_group)",
     }
     for scenario, runs in results.items():
+        if scenario == "restart":
+            print(f"  restart{notes[scenario]}: {summary([r[0] for r in runs])}", flush=True)
+            continue
         print(f"  {scenario}{notes[scenario]}: ranks gone + groups removed {summary([r[0] for r in runs])}; "
               f"driver exited {summary([r[1] for r in runs])}", flush=True)  # fmt: skip
     print("  torchrun: a lost node or a hung rank waits for NCCL's watchdog (600 s by default)", flush=True)

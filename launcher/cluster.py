@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 import sys
 from collections.abc import Iterator
@@ -45,9 +46,33 @@ def _reachable(address: str, timeout_s: float = 5.0) -> None:
         ) from None
 
 
+def use_token_if_present() -> None:
+    """Ray 2.60 turns token authentication on when `ray start` finds a token (RAY_AUTH_TOKEN,
+    RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token), but `ray.init(address=...)` does not: connecting to such
+    a cluster fails unless RAY_AUTH_MODE=token is set. Do what `ray start` does; a token sent to a
+    cluster without authentication is ignored. RAY_AUTH_MODE, when set, is left as it is."""
+    if "RAY_AUTH_MODE" in os.environ:
+        return
+    from .jobs import auth_headers
+
+    if auth_headers(os.environ):
+        os.environ["RAY_AUTH_MODE"] = "token"
+        from ray._raylet import Config
+
+        Config.initialize("")  # Ray caches its settings: make this process see the mode (as ray start does)
+
+
 def _init(**kwargs: Any) -> None:
+    from ray.exceptions import AuthenticationError
+
     try:
         ray.init(namespace=NAMESPACE, log_to_driver=True, logging_level=logging.WARNING, **kwargs)
+    except AuthenticationError:
+        raise ClusterError(
+            f"the Ray cluster at {kwargs.get('address')} uses token authentication and the token here is "
+            "missing or wrong: set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the token `ray get-auth-token` "
+            "prints on the head"
+        ) from None
     except ConnectionError as e:
         raise ClusterError(
             f"cannot connect to Ray at {kwargs.get('address')}: {str(e).splitlines()[0]}; fix --address "
@@ -75,6 +100,7 @@ def connect(spec: LaunchSpec) -> Iterator[Cluster]:
     try:
         if spec.address:
             _reachable(spec.address)
+            use_token_if_present()
             _init(address=spec.address)
             cluster = Cluster(address=spec.address, fixed_size=False)
         elif spec.dry_run:

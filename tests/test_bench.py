@@ -42,7 +42,7 @@ def test_failures_times_rank_death_node_loss_and_a_hang(capsys):
     import failures
 
     results = failures.main(["--repeats", "1", "--hang-timeout", "2"])
-    assert set(results) == {"rank death", "node loss", "hang"}
+    assert set(results) == {"rank death", "node loss", "hang", "restart"}
     assert all(len(runs) == 1 and runs[0][0] > 0 for runs in results.values())
     assert "NCCL's watchdog" in capsys.readouterr().out
 

@@ -46,6 +46,7 @@ STOPPER = """
 import os, signal
 import torch.distributed as dist
 dist.init_process_group("gloo")
+print(f"rank {dist.get_rank()} joined", flush=True)
 dist.barrier()
 if dist.get_rank() == 1:
     os.kill(os.getpid(), signal.SIGSTOP)
