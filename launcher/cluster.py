@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import socket
 import sys
 from collections.abc import Iterator
@@ -46,39 +45,37 @@ def _reachable(address: str, timeout_s: float = 5.0) -> None:
         ) from None
 
 
-def use_token_if_present() -> None:
-    """Ray 2.60 turns token authentication on when `ray start` finds a token (RAY_AUTH_TOKEN,
-    RAY_AUTH_TOKEN_PATH, ~/.ray/auth_token), but `ray.init(address=...)` does not: connecting to such
-    a cluster fails unless RAY_AUTH_MODE=token is set. Do what `ray start` does; a token sent to a
-    cluster without authentication is ignored. RAY_AUTH_MODE, when set, is left as it is."""
-    if "RAY_AUTH_MODE" in os.environ:
-        return
-    from .jobs import auth_headers
+_AUTH_HINT = (
+    "uses token authentication and this process sent no valid token: set RAY_AUTH_MODE=token, and "
+    "RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) unless ~/.ray/auth_token holds the token that "
+    "`ray get-auth-token` prints on the head (Ray 2.60 does not turn token mode on for an explicit address)"
+)
 
-    if auth_headers(os.environ):
-        os.environ["RAY_AUTH_MODE"] = "token"
-        from ray._raylet import Config
 
-        Config.initialize("")  # Ray caches its settings: make this process see the mode (as ray start does)
+def _caused_by_auth(e: BaseException | None) -> bool:
+    """Ray wraps a rejected token in connection errors: look down the chain."""
+    while e is not None:
+        if type(e).__name__ == "AuthenticationError" or "InvalidAuthToken" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
 
 
 def _init(**kwargs: Any) -> None:
     from ray.exceptions import AuthenticationError
 
+    address = kwargs.get("address")
     try:
         ray.init(namespace=NAMESPACE, log_to_driver=True, logging_level=logging.WARNING, **kwargs)
     except AuthenticationError:
-        raise ClusterError(
-            f"the Ray cluster at {kwargs.get('address')} uses token authentication and the token here is "
-            "missing or wrong: set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the token `ray get-auth-token` "
-            "prints on the head"
-        ) from None
-    except ConnectionError as e:
-        raise ClusterError(
-            f"cannot connect to Ray at {kwargs.get('address')}: {str(e).splitlines()[0]}; fix --address "
-            "or RAY_ADDRESS"
-        ) from None
-    except RuntimeError as e:
+        raise ClusterError(f"the Ray cluster at {address} {_AUTH_HINT}") from None
+    except (ConnectionError, RuntimeError) as e:
+        if _caused_by_auth(e):
+            raise ClusterError(f"the Ray cluster at {address} {_AUTH_HINT}") from None
+        if isinstance(e, ConnectionError):
+            raise ClusterError(
+                f"cannot connect to Ray at {address}: {str(e).splitlines()[0]}; fix --address or RAY_ADDRESS"
+            ) from None
         if "version mismatch" in str(e).lower():
             raise ClusterError(
                 f"{str(e).splitlines()[0]}; install the cluster's Ray and Python versions in the driver"
@@ -100,7 +97,6 @@ def connect(spec: LaunchSpec) -> Iterator[Cluster]:
     try:
         if spec.address:
             _reachable(spec.address)
-            use_token_if_present()
             _init(address=spec.address)
             cluster = Cluster(address=spec.address, fixed_size=False)
         elif spec.dry_run:
