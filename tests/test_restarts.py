@@ -120,14 +120,18 @@ def test_a_killed_rank_is_relaunched_and_training_resumes_from_the_last_checkpoi
     assert leftovers(job) == ([], [])
 
 
-def test_restarts_exhausted_fail_with_the_last_cause(cluster, tmp_path):
-    script = tmp_path / "fail.py"
-    script.write_text(FAIL_ALWAYS)
-    proc = driver(
-        cluster, "exhaust", tmp_path, f"--device cpu --nodes 2 --gpus-per-node 1 --max-restarts 2 {script}"
-    )
+def run_script(cluster, tmp_path: Path, job: str, text: str, args: str) -> tuple[int, str]:
+    """Run `text` as the script of a 2-node CPU launch with `args`; (exit code, output)."""
+    script = tmp_path / f"{job}.py"
+    script.write_text(text)
+    proc = driver(cluster, job, tmp_path, f"--device cpu --nodes 2 --gpus-per-node 1 {args} {script}")
     out, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 1, out[-4000:]
+    return proc.returncode, out
+
+
+def test_restarts_exhausted_fail_with_the_last_cause(cluster, tmp_path):
+    code, out = run_script(cluster, tmp_path, "exhaust", FAIL_ALWAYS, "--max-restarts 2")
+    assert code == 1, out[-4000:]
     assert "restart 1 of 2 after: rank 1" in out and "restart 2 of 2 after: rank 1" in out
     assert "restart 3" not in out
     assert (
@@ -141,13 +145,8 @@ def test_restarts_exhausted_fail_with_the_last_cause(cluster, tmp_path):
 
 
 def test_a_stopped_rank_is_reported_as_a_hang_with_stacks(cluster, tmp_path):
-    script = tmp_path / "stopper.py"
-    script.write_text(STOPPER)
-    proc = driver(
-        cluster, "hang", tmp_path, f"--device cpu --nodes 2 --gpus-per-node 1 --hang-timeout 10 {script}"
-    )
-    out, _ = proc.communicate(timeout=180)
-    assert proc.returncode == 1, out[-4000:]
+    code, out = run_script(cluster, tmp_path, "hang", STOPPER, "--hang-timeout 10")
+    assert code == 1, out[-4000:]
     root = out.split("Root cause (first failure):")[1]
     assert "rank      : 1 of 2" in root and "process stopped (SIGSTOP)" in root
     assert "no output or progress from any rank for" in root
