@@ -73,6 +73,10 @@ def once(cluster, scenario: str, job: str, hang_timeout: float) -> tuple[float, 
             if p.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"{scenario}: the job ended or stalled before its ranks ran")
             time.sleep(0.02)
+        log0 = runs / job / "rank-0.log"
+        while scenario == "hang" and not (log0.exists() and "step" in log0.read_text()):
+            time.sleep(0.02)  # stop a rank only once the job has printed: the hang clock is running
+        time.sleep(0.5 if scenario == "hang" else 0)
         ranks = json.loads(topo.read_text())["ranks"]
         pids = [r["pid"] for r in ranks]
         t0 = time.monotonic()
@@ -86,6 +90,9 @@ def once(cluster, scenario: str, job: str, hang_timeout: float) -> tuple[float, 
             took = time.monotonic() - t0
             p.send_signal(signal.SIGINT)
             p.wait(60)
+            # the relaunch's own phases (seconds since it began): where a restart spends its time
+            phases = json.loads((runs / job / "summary.json").read_text())["timings"]
+            print(f"  restart phases: {phases}", flush=True)
             return took, took
         if scenario == "rank death":
             os.kill(pids[1], signal.SIGKILL)
