@@ -67,9 +67,7 @@ def _init(**kwargs: Any) -> None:
     address = kwargs.get("address")
     try:
         ray.init(namespace=NAMESPACE, log_to_driver=True, logging_level=logging.WARNING, **kwargs)
-    except AuthenticationError:
-        raise ClusterError(f"the Ray cluster at {address} {_AUTH_HINT}") from None
-    except (ConnectionError, RuntimeError) as e:
+    except (AuthenticationError, ConnectionError, RuntimeError) as e:
         if _caused_by_auth(e):
             raise ClusterError(f"the Ray cluster at {address} {_AUTH_HINT}") from None
         if isinstance(e, ConnectionError):

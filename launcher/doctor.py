@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from .errors import UsageError
-from .topology import ip_sort_key
+from .topology import format_table, ip_sort_key
 
 log = logging.getLogger("megaray")
 
@@ -189,13 +189,6 @@ def _size(n: int) -> str:
     return f"{n} B"
 
 
-def table(rows: list[tuple[str, ...]]) -> str:
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    return "\n".join(
-        "  " + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows
-    )
-
-
 # -- the all-reduce sweep, run on every rank --------------------------------------------------------
 
 
@@ -325,7 +318,7 @@ def _print_nodes(reports: list[NodeReport]) -> bool:
                 rdma, f"{info['disk_free_gb']} GiB", r.status,
             )
         )  # fmt: skip
-    print(f"nodes ({len(reports)}):\n{table(rows)}", flush=True)
+    print(f"nodes ({len(reports)}):\n{format_table(rows, '  ')}", flush=True)
     for i, r in enumerate(reports):
         for p in r.problems:
             log.error("node %d (%s): %s", i, r.info["node_ip"], p)
@@ -360,7 +353,7 @@ def _bandwidth(args: argparse.Namespace, address: str | None) -> bool:
         rows.append(
             (_size(size), f"{seconds * 1e3:.3f} ms", f"{bus_bandwidth(size, seconds, world):.3f} GB/s")
         )
-    print(f"all-reduce over {world} ranks ({first['backend']}):\n{table(rows)}", flush=True)
+    print(f"all-reduce over {world} ranks ({first['backend']}):\n{format_table(rows, '  ')}", flush=True)
     per_node = {
         r["node_rank"]: r["node_busbw"] for r in result.returns if r["rank"] % args.gpus_per_node == 0
     }
@@ -372,7 +365,7 @@ def _bandwidth(args: argparse.Namespace, address: str | None) -> bool:
             rows.append(
                 (str(n), ips[n], f"{bw:.3f} GB/s", "SLOW: under half the median" if n in slow else "")
             )
-        print(f"per node:\n{table(rows)}", flush=True)
+        print(f"per node:\n{format_table(rows, '  ')}", flush=True)
         if slow:
             log.error("slow node(s): %s", ", ".join(f"{n} ({ips[n]})" for n in slow))
             return False

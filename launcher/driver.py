@@ -44,7 +44,14 @@ from .progress import ProgressView, TrainingFacts
 from .rankenv import EnvDecision, contract_env, decide_env, redact
 from .rundir import RunDir
 from .spec import LaunchSpec, Target
-from .topology import RankSlot, assign_ranks, format_rank_ranges, order_nodes, visible_devices
+from .topology import (
+    RankSlot,
+    assign_ranks,
+    format_rank_ranges,
+    format_table,
+    order_nodes,
+    visible_devices,
+)
 from .worker import RankActor
 
 log = logging.getLogger("megaray")
@@ -654,13 +661,11 @@ class _Job:
             )
             for r in ranks
         ]
-        widths = [max(len(row[c]) for row in rows) for c in range(len(rows[0]))]
-        lines = ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip() for row in rows]
         log.info(
             "topology (MASTER_ADDR=%s MASTER_PORT=%d):\n%s",
             master_addr,
             master_port,
-            "\n".join("  " + ln for ln in lines),
+            format_table(rows, "  "),
         )
 
     def _log_env(self, decisions: list[EnvDecision]) -> None:
@@ -688,19 +693,16 @@ class _Job:
 
     def _finish_output(self) -> None:
         """Last lines into the files and onto the console, then stop the sink."""
-        if self.sink is None:
-            if self.progress is not None:
-                self.progress.close()
-            return
+        if self.drain_ref is not None:
+            self.pump_output(wait_s=5.0)  # lines already drained come before what finish() returns
         sink, self.sink = self.sink, None
-        with contextlib.suppress(Exception):
-            if self.drain_ref is not None:
-                self._show(*ray.get(self.drain_ref, timeout=5))
-                self.drain_ref = None
-            self._show(*ray.get(sink.finish.remote(), timeout=10))
-        self.progress.close()
-        with contextlib.suppress(Exception):
-            ray.kill(sink, no_restart=True)
+        if sink is not None:
+            with contextlib.suppress(Exception):
+                self._show(*ray.get(sink.finish.remote(), timeout=10))
+            with contextlib.suppress(Exception):
+                ray.kill(sink, no_restart=True)
+        if self.progress is not None:
+            self.progress.close()
 
 
 def _first_line(e: BaseException) -> str:

@@ -25,6 +25,7 @@ from typing import Any
 
 from .errors import ClusterError, UsageError
 from .spec import LaunchSpec, spec_from_args
+from .topology import format_table
 
 log = logging.getLogger("megaray")
 
@@ -318,7 +319,7 @@ def _job_info(client, job: str):
 
 
 def _exit_code(info) -> int:
-    status = str(info.status.value if hasattr(info.status, "value") else info.status)
+    status = info.status.value
     if status == "SUCCEEDED":
         return 0
     if status == "STOPPED":
@@ -492,5 +493,4 @@ def format_jobs(jobs: list) -> str:
                 meta.get("megaray.target", (j.entrypoint or "")[:60]),
             )
         )
-    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
-    return "\n".join("  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+    return format_table(rows)

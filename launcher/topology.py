@@ -132,3 +132,11 @@ def format_rank_ranges(ranks: Iterable[int]) -> str:
         out.append(str(rs[i]) if i == j else f"{rs[i]}-{rs[j]}")
         i = j + 1
     return ",".join(out)
+
+
+def format_table(rows: list[tuple[str, ...]], indent: str = "") -> str:
+    """Rows of strings as left-aligned columns (the topology, doctor's tables, `megaray list`)."""
+    widths = [max(len(r[c]) for r in rows) for c in range(len(rows[0]))]
+    return "\n".join(
+        indent + "  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    )

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -302,12 +303,19 @@ if rank == 3 and os.environ.get("FAIL_LAST"):
 """
 
 
-def test_rank_output_goes_to_per_rank_files_and_rank_0_to_the_console(cluster, tmp_path, capsys):
+def launch_chatty(cluster, tmp_path, job: str, extra: str) -> tuple[int, Path]:
+    """CHATTY on 2 nodes x 2 ranks with its run directories under tmp_path; (exit code, runs dir)."""
     script = tmp_path / "chatty.py"
     script.write_text(CHATTY)
     runs = tmp_path / "runs"
-    args = f"--nodes 2 --gpus-per-node 2 --runs-dir {runs} --env HF_TOKEN=hunter2-secret {script}"
-    assert launch(cluster, "chatty", tmp_path, args) == 0
+    return launch(
+        cluster, job, tmp_path, f"--nodes 2 --gpus-per-node 2 --runs-dir {runs} {extra} {script}"
+    ), runs
+
+
+def test_rank_output_goes_to_per_rank_files_and_rank_0_to_the_console(cluster, tmp_path, capsys):
+    code, runs = launch_chatty(cluster, tmp_path, "chatty", "--env HF_TOKEN=hunter2-secret")
+    assert code == 0
     out, err = capsys.readouterr()
     assert "[r0 n0] hello from rank 0" in out and "[r0 n0] from a child process of rank 0" in out
     assert "[r0 n0] stderr of rank 0" in out
@@ -336,11 +344,8 @@ def test_rank_output_goes_to_per_rank_files_and_rank_0_to_the_console(cluster, t
 
 
 def test_log_ranks_all_and_a_failure_summary(cluster, tmp_path, capsys):
-    script = tmp_path / "chatty.py"
-    script.write_text(CHATTY)
-    runs = tmp_path / "runs"
-    args = f"--nodes 2 --gpus-per-node 2 --runs-dir {runs} --log-ranks all --env FAIL_LAST=1 {script}"
-    assert launch(cluster, "chatty-fail", tmp_path, args) == 1
+    code, runs = launch_chatty(cluster, tmp_path, "chatty-fail", "--log-ranks all --env FAIL_LAST=1")
+    assert code == 1
     out = capsys.readouterr().out
     for rank in range(4):
         assert f"[r{rank} n{rank // 2}] hello from rank {rank}" in out
