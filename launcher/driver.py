@@ -43,6 +43,7 @@ from .profiles import load_profile
 from .progress import ProgressView, TrainingFacts
 from .rankenv import EnvDecision, contract_env, decide_env, redact
 from .rundir import RunDir
+from .spares import Spares, warm_steps
 from .spec import LaunchSpec, Target
 from .topology import (
     RankSlot,
@@ -59,6 +60,8 @@ log = logging.getLogger("megaray")
 ACTOR_START_TIMEOUT_S = 300.0  # covers runtime-env set-up and image pulls on first use of a node
 ROOT_CAUSE_WINDOW_S = 0.1  # failures arriving this close together are compared to find the first
 STARTUP_GRACE_S = 120.0  # the least silence allowed before the first line of any rank
+SPARES_AFTER_S = 30.0  # spares start at the first progress report, or this long after the ranks
+SPARE_ANSWER_S = 10.0  # a warm spare answers at once; one that does not is on a lost node
 
 
 @dataclass(frozen=True)
@@ -107,10 +110,12 @@ def launch(spec: LaunchSpec) -> LaunchResult:
         with connect(spec) as cluster, stop.installed():
             attempt = 0
             first_target = align_timeouts(spec, plan)
+            spares: Spares | None = None
             while True:
                 target = first_target if attempt == 0 else resume_target(first_target, plan)
                 job = _Job(replace(spec, target=target), cluster, profile, stop, run=run, progress=progress,
-                           attempt=attempt)  # fmt: skip
+                           attempt=attempt, spares=spares)  # fmt: skip
+                spares = None
                 try:
                     result = job.execute()
                     break
@@ -120,12 +125,16 @@ def launch(spec: LaunchSpec) -> LaunchResult:
                     attempt += 1
                     print(e.report(), file=sys.stderr, flush=True)
                     restarts.append({"attempt": attempt, "cause": str(e), "at": time.time()})
+                    spares = job.hand_over()
                     log.warning(
-                        "restart %d of %d after: %s; relaunching every rank (waiting up to %gs for the "
-                        "layout to fit)", attempt, spec.max_restarts, e, spec.placement_timeout_s,
+                        "restart %d of %d after: %s; relaunching every rank (%s)", attempt, spec.max_restarts,
+                        e, "on the warm spares" if spares else
+                        f"waiting up to {spec.placement_timeout_s:g}s for the layout to fit",
                     )  # fmt: skip
                 finally:
                     job.teardown()
+                    if job.attempt:
+                        restarts[job.attempt - 1]["warm_spares"] = job.adopted
         outcome = {"status": "succeeded", "exit_code": 0, "root_cause": None}
         return result
     except RankFailedError as e:
@@ -305,6 +314,7 @@ class _Job:
         run: RunDir | None = None,
         progress: ProgressView | None = None,
         attempt: int = 0,
+        spares: Spares | None = None,
     ):
         self.spec = spec
         self.gpu_share = gpu_share  # of each rank's GPU (and CPUs) that this job's actor takes
@@ -331,6 +341,16 @@ class _Job:
         self.name = spec.job_name if attempt == 0 else f"{spec.job_name}-a{attempt}"
         self.last_activity = time.monotonic()
         self.writes_seen = 0
+        self.progress_seen = False
+        # Warm spares: those this attempt was given (until it adopts or discards them), and those it
+        # starts for the next one.
+        self.spares_in = spares
+        self.adopted = False
+        self.next_spares: Spares | None = None
+        self.spares_ready = False
+        self.handed_over = False
+        self.replaced_pids: list[int | None] = [None] * spec.world_size
+        self.decided_env: list[dict[str, str]] = []
 
     def _mark(self, name: str) -> None:
         self.timings[name] = round(time.monotonic() - self.t0, 3)
@@ -365,8 +385,12 @@ class _Job:
         master_port = self._choose_port(master_addr)
         decisions = self._decide_envs(infos, master_addr, master_port)
         envs = ray.get(
-            [a.setup.remote(d.to_set, self.sink) for a, d in zip(self.actors, decisions, strict=True)]
+            [
+                a.setup.remote(d.to_set, self.sink, i["gpu_ids"] if self.adopted else None, old)
+                for a, d, i, old in zip(self.actors, decisions, infos, self.replaced_pids, strict=True)
+            ]
         )
+        self.decided_env = [d.to_set for d in decisions]
         self._mark("env_set")
         ranks = tuple(
             RankInfo(
@@ -429,9 +453,13 @@ class _Job:
         self.progress.print_lines(lines)
         for record in records:
             self.progress.update(record)
+            self.progress_seen = True
 
     def _place(self) -> None:
         spec = self.spec
+        if self.spares_in is not None and self._adopt():
+            self._mark("placed")
+            return
         if self.host is not None:  # colocated: the same bundles, so the same nodes, ranks and GPUs
             self.groups, self.slots = self.host.groups, self.host.slots
             self._mark("placed")
@@ -458,6 +486,10 @@ class _Job:
 
     def _start_actors(self) -> list[dict[str, Any]]:
         spec = self.spec
+        if self.adopted:
+            self._mark("actors_ready")
+            check_versions(self.infos)
+            return self.infos
         actor_cls = ray.remote(RankActor)
         for s in self.slots:
             self.actors.append(
@@ -490,6 +522,119 @@ class _Job:
         self._mark("actors_ready")
         check_versions(infos)
         return infos
+
+    # -- warm spares (spares.py) ------------------------------------------------------------------
+    def _tend_spares(self) -> None:
+        """Start the next attempt's spares once this one trains (they would compete with its ranks'
+        own imports before), and say when they are ready."""
+        spec = self.spec
+        if self.next_spares is None:
+            wanted = spec.spares and self.run is not None and self.host is None
+            due = self.progress_seen or time.monotonic() - self.t0 - self.timings["started"] >= SPARES_AFTER_S
+            if wanted and self.attempt < spec.max_restarts and due:
+                self._start_spares()
+            return
+        if self.spares_ready:
+            return
+        refs = self.next_spares.warm_refs
+        if len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
+            return
+        self.spares_ready = True
+        try:
+            results = ray.get(refs)
+        except ray.exceptions.RayError as e:
+            log.warning("a warm spare failed: %s; a restart will place every rank anew", _first_line(e))
+            return
+        failed = sorted({step for r in results for step in r["failed"]})
+        log.info(
+            "%d warm spare(s) ready for restart %d in %.1f s%s",
+            len(results),
+            self.attempt + 1,
+            time.monotonic() - self.next_spares.started_at,
+            f" (could not import {', '.join(failed)}: the ranks will)" if failed else "",
+        )
+
+    def _start_spares(self) -> None:
+        spec = self.spec
+        name = f"{spec.job_name}-a{self.attempt + 1}"
+        steps = warm_steps(spec.target)
+        actor_cls = ray.remote(RankActor)
+        actors = [
+            actor_cls.options(
+                name=f"{name}-rank{s.rank}",
+                namespace=NAMESPACE,
+                num_cpus=0,  # the bundle holds the rank's resources; the spare takes them over
+                num_gpus=0,
+                max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.groups[s.group], placement_group_bundle_index=s.bundle
+                ),
+            ).remote(spec.job_name, s.rank, s.node_ip)
+            for s in self.slots
+        ]
+        self.next_spares = Spares(
+            actors=actors,
+            warm_refs=[a.warm.remote(env, steps) for a, env in zip(actors, self.decided_env, strict=True)],
+            groups=self.groups,
+            slots=self.slots,
+            gpu_ids=[i["gpu_ids"] for i in self.infos],
+            replaces_pids=[i["pid"] for i in self.infos],
+            started_at=time.monotonic(),
+        )
+        log.info("starting %d warm spare(s) for a restart (importing %s)", len(actors), ", ".join(steps))
+
+    def hand_over(self) -> Spares | None:
+        """After a failure: this attempt's spares for the next one, which keeps the groups too."""
+        if self.next_spares is None:
+            return None
+        self.handed_over = True
+        return self.next_spares
+
+    def _adopt(self) -> bool:
+        """Take the previous attempt's spares as this attempt's ranks, if all of them can."""
+        sp = self.spares_in
+        problem = self._spares_problem(sp)
+        self.spares_in = None
+        if problem:
+            log.warning("the warm spares cannot take over (%s): placing every rank anew", problem)
+            sp.kill(groups=True)
+            return False
+        self.groups, self.slots, self.actors = sp.groups, sp.slots, list(sp.actors)
+        self.replaced_pids = list(sp.replaces_pids)
+        self.adopted = True
+        return True
+
+    def _spares_problem(self, sp: Spares) -> str | None:
+        """Why the spares cannot take over, or None. A spare on a lost node may not be known dead to
+        Ray yet: it does not answer, and that is enough."""
+        from ray.util.placement_group import placement_group_table
+
+        for g in sp.groups:
+            state = placement_group_table(g).get("state")
+            if state != "CREATED":
+                return f"placement group {g.id.hex()[:8]} is {state}: a node was lost"
+        warmed = wait_all(sp.warm_refs, ACTOR_START_TIMEOUT_S, self.stop)
+        if len(warmed) < len(sp.warm_refs):
+            late = len(sp.warm_refs) - len(warmed)
+            return f"{late} spare(s) still importing after {ACTOR_START_TIMEOUT_S:g}s"
+        pings = [a.info.remote() for a in sp.actors]
+        answered = wait_all(pings, SPARE_ANSWER_S, self.stop)
+        if len(answered) < len(pings):
+            return f"{len(pings) - len(answered)} spare(s) did not answer within {SPARE_ANSWER_S:g}s"
+        try:
+            results, infos = ray.get(sp.warm_refs), ray.get(pings)
+        except ray.exceptions.RayError as e:
+            return f"a spare died: {_first_line(e)}"
+        cuda = [r for r, w in enumerate(results) if w["cuda_initialized"]]
+        if cuda:
+            return (
+                f"importing initialized CUDA in the spare(s) of rank(s) {format_rank_ranges(cuda)}, which "
+                "would leave a context on the node's first GPU"
+            )
+        for info, ids in zip(infos, sp.gpu_ids, strict=True):
+            info["gpu_ids"] = ids
+        self.infos = infos
+        return None
 
     def _choose_port(self, master_addr: str) -> int:
         spec = self.spec
@@ -553,6 +698,7 @@ class _Job:
         while pending:
             self.stop.check()
             self.pump_output()
+            self._tend_spares()
             idle = time.monotonic() - self.last_activity
             # Before any rank has printed (imports, rendezvous), a short --hang-timeout is not enough.
             limit = spec.hang_timeout_s if self.writes_seen else max(spec.hang_timeout_s, STARTUP_GRACE_S)
@@ -680,12 +826,18 @@ class _Job:
 
     # -- teardown -------------------------------------------------------------------------------
     def teardown(self) -> None:
-        """Kill every rank and remove every group, whatever happened; then release the port."""
+        """Kill every rank and remove every group, whatever happened; then release the port. Groups
+        handed over with the spares stay, for the next attempt."""
         for a in self.actors:
             with contextlib.suppress(Exception):
                 ray.kill(a, no_restart=True)
+        if self.spares_in is not None:  # given, but stopped before adopting them
+            self.spares_in.kill(groups=True)
+            self.spares_in = None
+        if self.next_spares is not None and not self.handed_over:
+            self.next_spares.kill(groups=False)
         self._finish_output()
-        if self.host is None:  # a colocated job leaves the groups to their owner
+        if self.host is None and not self.handed_over:  # a colocated job leaves the groups to their owner
             placement.remove_groups(self.groups)
         if self.port_reserved:
             ports.release(*self.port_reserved)

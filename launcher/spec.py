@@ -87,6 +87,7 @@ class LaunchSpec:
     peak_tflops: float = H100_SXM_BF16_TFLOPS  # per GPU, the denominator of MFU
     max_restarts: int = 0  # relaunches of the whole group after a failure, as torchrun --max-restarts
     hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S  # no rank output or progress this long: a hang; 0: off
+    spares: bool = True  # with restarts left, warm spare actors wait in the bundles (spares.py)
 
     def __post_init__(self):
         if self.nodes < 1:
@@ -236,6 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"seconds without output or progress from any rank before the job counts as hung; its stacks "
         f"are printed (default {DEFAULT_HANG_TIMEOUT_S:g}; 0 turns it off)",
     )
+    p.add_argument(
+        "--spares",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --max-restarts, keep a warm spare process per rank (torch and Megatron imported, in "
+        "the rank's bundle, no resources of its own) so that a restart skips start-up; --no-spares saves "
+        "their host memory (default on)",
+    )
     p.add_argument("target", nargs="?", help="script to run on every rank, as torchrun runs it")
     p.add_argument("target_args", nargs=argparse.REMAINDER, help="arguments for the script or function")
     return p
@@ -293,6 +302,7 @@ def spec_from_args(
             peak_tflops=args.peak_tflops,
             max_restarts=args.max_restarts,
             hang_timeout_s=args.hang_timeout,
+            spares=args.spares,
         )
     except ValueError as e:
         raise UsageError(str(e)) from None

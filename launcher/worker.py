@@ -69,6 +69,22 @@ def ephemeral_range() -> tuple[int, int] | None:
         return None
 
 
+REPLACED_EXIT_TIMEOUT_S = 30.0
+
+
+def wait_gone(pid: int, timeout_s: float) -> bool:
+    """Wait for process `pid` on this node to exit (a zombie has exited); False on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        try:
+            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                return True
+        except (OSError, IndexError):
+            return True
+        time.sleep(0.02)
+    return False
+
+
 class RankActor:
     """One rank. Ray uses `__repr__` as the log prefix, so output reads `(rank3@10.0.0.9/gpu1 ...)`."""
 
@@ -111,9 +127,30 @@ class RankActor:
                     break
         return found
 
-    def setup(self, env: dict[str, str], sink: Any = None) -> dict[str, str]:
+    def warm(self, env: dict[str, str], steps: tuple[str, ...]) -> dict[str, Any]:
+        """As a spare for the next attempt: take the env and do the imports now (see spares.py)."""
+        from .spares import warm
+
+        return warm(env, steps)
+
+    def setup(
+        self,
+        env: dict[str, str],
+        sink: Any = None,
+        gpu_ids: list[str] | None = None,
+        replaces_pid: int | None = None,
+    ) -> dict[str, str]:
         """Apply the rank's env before any framework is imported, and send this process's output to
-        `sink` (a launch's OutputSink) from here on. Returns the whole environment the rank now has."""
+        `sink` (a launch's OutputSink) from here on. Returns the whole environment the rank now has.
+
+        A spare taking over a rank gets the rank's `gpu_ids` (it holds none of its own; the bundle
+        does) and first waits for the old rank's process (`replaces_pid`, on this node) to be gone,
+        so that its GPU memory is free before this one uses the GPU.
+        """
+        if gpu_ids is not None:
+            self.gpu_ids = list(gpu_ids)
+        if replaces_pid is not None:
+            wait_gone(replaces_pid, REPLACED_EXIT_TIMEOUT_S)
         os.environ.update(env)
         if sink is not None and self.capture is None:
             from .output import Capture
