@@ -5,8 +5,10 @@ removed, and to the driver's exit, on a simulated cluster (2 nodes x 1 CPU rank)
 detected by Ray's health checks, set here as the README shows (period 500 ms, 3 misses); a hang by
 --hang-timeout, which is subtracted so what is left is megaray's own delay (stack reading included).
 torchrun has no counterpart for those two: a lost node or a hung rank waits for NCCL's watchdog
-(10 minutes by default). Last, restart speed: with --max-restarts 1, from a rank's SIGKILL to every
-relaunched rank past init_process_group.
+(10 minutes by default). Last, restart speed: with --max-restarts 1, from a rank's SIGKILL to the
+first training step after the relaunch, on warm spares (the default) and cold (--no-spares), with
+the Megatron dry-run trainer (megatron-core GPT, checkpoint every step) or, with --trainer loop, to
+every relaunched rank past init_process_group.
 
     python bench/failures.py --repeats 3 --hang-timeout 3
 """
@@ -16,7 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
+import statistics
 import subprocess
 import tempfile
 import time
@@ -30,14 +34,21 @@ HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
 LOOP = """
 import os, sys, time
 import torch, torch.distributed as dist
+from launcher.progress import report
 dist.init_process_group("gloo")
 open(os.path.join(sys.argv[1], f"pid-{dist.get_rank()}"), "w").write(str(os.getpid()))
+step = 0
 while True:
     t = torch.ones(1)
     dist.all_reduce(t)
     print("step", flush=True)
+    step += 1
+    report(step)
     time.sleep(0.1)
 """
+RESTARTS = ("restart", "restart cold")
+# The relaunched trainer's first step: the dry run resumes, then saves after its first step.
+FIRST_STEP = re.compile(r"resumed from checkpoint at iteration \d+\n[\s\S]*saved checkpoint")
 
 
 def free_port() -> int:
@@ -55,44 +66,64 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def once(cluster, scenario: str, job: str, hang_timeout: float) -> tuple[float, float]:
+def _wait(what: str, ready, p: subprocess.Popen, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if p.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: the job ended or stalled")
+        time.sleep(0.02)
+
+
+def _text(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+def once(cluster, scenario: str, job: str, hang_timeout: float, trainer: str) -> tuple[float, float]:
     import ray
 
     runs = Path(tempfile.mkdtemp(prefix="megaray-failures-"))
     (runs / "loop.py").write_text(LOOP)
     hang = hang_timeout if scenario == "hang" else 0
-    restarts = 1 if scenario == "restart" else 0
+    megatron = scenario in RESTARTS and trainer == "megatron"
     cmd = [PY, str(REPO / "main.py"), "--address", cluster.address, "--job-name", job, "--device", "cpu",
            "--nodes", "2", "--gpus-per-node", "1", "--runs-dir", str(runs), "--hang-timeout", str(hang),
-           "--max-restarts", str(restarts), str(runs / "loop.py"), str(runs)]  # fmt: skip
-    p = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+           "--max-restarts", str(int(scenario in RESTARTS)),
+           "--spares" if scenario == "restart" else "--no-spares"]  # fmt: skip
+    if megatron:
+        cmd += ["--dry-run", "steps=1000000", f"save={runs / 'ckpt'}", "save_every=1"]
+    else:
+        cmd += [str(runs / "loop.py"), str(runs)]
+    driver_out = runs / "driver.out"
+    with driver_out.open("w") as sink:
+        p = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=sink, stderr=subprocess.STDOUT)
     try:
         topo = runs / job / "topology.json"
-        deadline = time.monotonic() + 120
-        while not (topo.exists() and len(list(runs.glob("pid-*"))) == 2):
-            if p.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"{scenario}: the job ended or stalled before its ranks ran")
-            time.sleep(0.02)
         log0 = runs / job / "rank-0.log"
+        if megatron:
+            _wait(scenario, lambda: topo.exists() and "saved checkpoint at iteration 2" in _text(log0), p)
+        else:
+            _wait(scenario, lambda: topo.exists() and len(list(runs.glob("pid-*"))) == 2, p, 120)
+        if scenario == "restart":  # kill a rank once the spares are ready, as in a long run
+            _wait("spares", lambda: "warm spare(s) ready" in _text(driver_out), p)
         while scenario == "hang" and not (log0.exists() and "step" in log0.read_text()):
             time.sleep(0.02)  # stop a rank only once the job has printed: the hang clock is running
         time.sleep(0.5 if scenario == "hang" else 0)
         ranks = json.loads(topo.read_text())["ranks"]
         pids = [r["pid"] for r in ranks]
         t0 = time.monotonic()
-        if scenario == "restart":  # to the relaunched ranks past init_process_group, then stop
+        if scenario in RESTARTS:  # to the relaunch's first step (or ranks past init), then stop
             os.kill(pids[1], signal.SIGKILL)
-            first = (runs / "pid-0").read_text()
-            while (runs / "pid-0").read_text() in ("", first):
-                if time.monotonic() - t0 > 120 or p.poll() is not None:
-                    raise RuntimeError("restart: the ranks were not relaunched within 120 s")
-                time.sleep(0.01)
+            if megatron:
+                _wait(scenario, lambda: FIRST_STEP.search(_text(log0)) is not None, p, 300)
+            else:
+                first = (runs / "pid-0").read_text()
+                _wait(scenario, lambda: (runs / "pid-0").read_text() not in ("", first), p, 120)
             took = time.monotonic() - t0
             p.send_signal(signal.SIGINT)
             p.wait(60)
             # the relaunch's own phases (seconds since it began): where a restart spends its time
             phases = json.loads((runs / job / "summary.json").read_text())["timings"]
-            print(f"  restart phases: {phases}", flush=True)
+            print(f"  {scenario}, the relaunch's phases: {phases}", flush=True)
             return took, took
         if scenario == "rank death":
             os.kill(pids[1], signal.SIGKILL)
@@ -126,6 +157,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--hang-timeout", type=float, default=3.0)
+    parser.add_argument(
+        "--trainer",
+        choices=("megatron", "loop"),
+        default="megatron",
+        help="what the restart scenarios run: the Megatron dry-run trainer, or a gloo loop (faster)",
+    )
     args = parser.parse_args(argv)
     import ray
     from ray.cluster_utils import Cluster
@@ -141,9 +178,10 @@ def main(argv: list[str] | None = None) -> dict:
     ray.init(address=cluster.address, log_to_driver=False)
     results: dict[str, list[tuple[float, float]]] = {}
     try:
-        for scenario in ("rank death", "node loss", "hang", "restart"):
+        for scenario in ("rank death", "node loss", "hang", *RESTARTS):
+            job = f"fail-{scenario.replace(' ', '-')}"
             results[scenario] = [
-                once(cluster, scenario, f"fail{i}-{scenario.split()[0]}", args.hang_timeout)
+                once(cluster, scenario, f"{job}{i}", args.hang_timeout, args.trainer)
                 for i in range(args.repeats)
             ]
     finally:
@@ -155,14 +193,21 @@ def main(argv: list[str] | None = None) -> dict:
         "node loss": f" (Ray health checks: {HEALTH['health_check_period_ms']} ms x "
         f"{HEALTH['health_check_failure_threshold']})",
         "hang": f" (after --hang-timeout {args.hang_timeout:g}s)",
-        "restart": " (--max-restarts 1: SIGKILL to the new ranks past init_process_group)",
     }
+    to = (
+        "first step after resuming"
+        if args.trainer == "megatron"
+        else "relaunched ranks past init_process_group"
+    )
     for scenario, runs in results.items():
-        if scenario == "restart":
-            print(f"  restart{notes[scenario]}: {summary([r[0] for r in runs])}", flush=True)
+        if scenario in RESTARTS:
+            how = "warm spares" if scenario == "restart" else "cold, --no-spares"
+            print(f"  restart ({how}; SIGKILL to the {to}): {summary([r[0] for r in runs])}", flush=True)
             continue
         print(f"  {scenario}{notes[scenario]}: ranks gone + groups removed {summary([r[0] for r in runs])}; "
               f"driver exited {summary([r[1] for r in runs])}", flush=True)  # fmt: skip
+    cold, warm = (statistics.median(r[0] for r in results[s]) for s in ("restart cold", "restart"))
+    print(f"  restart cold/warm spares: {cold / warm:.1f}x", flush=True)
     print("  torchrun: a lost node or a hung rank waits for NCCL's watchdog (600 s by default)", flush=True)
     return results
 

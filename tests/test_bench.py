@@ -41,10 +41,11 @@ def test_teardown_measures_both_launchers(capsys):
 def test_failures_times_rank_death_node_loss_and_a_hang(capsys):
     import failures
 
-    results = failures.main(["--repeats", "1", "--hang-timeout", "2"])
-    assert set(results) == {"rank death", "node loss", "hang", "restart"}
+    results = failures.main(["--repeats", "1", "--hang-timeout", "2", "--trainer", "loop"])
+    assert set(results) == {"rank death", "node loss", "hang", "restart", "restart cold"}
     assert all(len(runs) == 1 and runs[0][0] > 0 for runs in results.values())
-    assert "NCCL's watchdog" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "NCCL's watchdog" in out and "restart cold/warm spares:" in out
 
 
 def test_gpu_parity_report_reads_megatron_logs(tmp_path, capsys):

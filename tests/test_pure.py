@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from launcher.cli import main
@@ -10,7 +12,9 @@ from launcher.errors import RankFailedError, RankFailure, UsageError, describe_d
 from launcher.placement import nodes_that_fit
 from launcher.profiles import available_profiles, load_profile
 from launcher.rankenv import CONTRACT_KEYS, contract_env, decide_env, parse_env_pairs
-from launcher.spec import LaunchSpec, Target, spec_from_args
+from launcher.recipes import load_recipe
+from launcher.spares import warm, warm_steps
+from launcher.spec import DRY_RUN_TARGET, LaunchSpec, Target, spec_from_args
 from launcher.topology import (
     NodeSlot,
     assign_ranks,
@@ -19,6 +23,7 @@ from launcher.topology import (
     order_nodes,
     visible_devices,
 )
+from launcher.worker import wait_gone
 
 # What torchrun exports to each worker (torch/distributed/elastic/agent/server/local_elastic_agent.py),
 # less the agent-store and error-file variables that only its own agent uses.
@@ -198,6 +203,7 @@ def test_spec_from_args_reads_the_torchrun_shape(tmp_path):
     assert ep.target == Target("entrypoint", "pkg.mod:fn", ("x", "--y")) and ep.address is None
     with pytest.raises(AttributeError):
         spec.nodes = 3  # frozen
+    assert spec.spares and not spec_from_args(["--no-spares", "--dry-run"], environ={}).spares
 
 
 @pytest.mark.parametrize(
@@ -372,3 +378,32 @@ def test_the_package_exports_its_public_names_without_importing_ray():
     import launcher
 
     assert callable(launcher.launch) and launcher.LaunchResult.__name__ == "LaunchResult"
+
+
+# -- warm spares ----------------------------------------------------------------------------------
+def test_spares_import_the_launcher_stack_never_user_code():
+    assert warm_steps(Target("script", "train.py")) == ("torch", "torch.distributed")
+    assert warm_steps(Target("entrypoint", "mypkg.train:main")) == ("torch", "torch.distributed")
+    dry = warm_steps(DRY_RUN_TARGET)
+    assert "megatron.core.models.gpt" in dry and "launcher.tiny_gpt" in dry
+    recipe = load_recipe("llama3_8b")
+    steps = warm_steps(Target("megatron", "llama3_8b", recipe=recipe))
+    assert steps.index("launcher.compat:import_bridge") < steps.index("megatron.bridge.training.pretrain")
+    assert recipe.function.partition(":")[0] in steps
+
+
+def test_warm_applies_the_env_first_and_reports_what_did_not_import(monkeypatch):
+    monkeypatch.delenv("MEGARAY_TEST_WARM", raising=False)
+    result = warm(
+        {"MEGARAY_TEST_WARM": "1"}, ("json", "megaray_no_such_module", "launcher.compat:te_installed")
+    )
+    assert os.environ.pop("MEGARAY_TEST_WARM") == "1"
+    assert list(result["failed"]) == ["megaray_no_such_module"]
+    assert "ModuleNotFoundError" in result["failed"]["megaray_no_such_module"]
+    assert result["cuda_initialized"] is False
+    assert "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ  # only for the imports
+
+
+def test_a_spare_waits_for_the_process_it_replaces():
+    assert wait_gone(2**22 + 12345, timeout_s=0.1)  # no such pid: gone
+    assert not wait_gone(os.getpid(), timeout_s=0.1)  # still here when the wait ends

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 import ray
 from ray.cluster_utils import Cluster
+from ray.util.state import list_actors
 
 from .conftest import REPO, free_port, leftovers
 
@@ -28,6 +30,7 @@ NODE = {"num_cpus": 2, "num_gpus": 2}
 LOOP = """
 import os, time
 import torch, torch.distributed as dist
+from launcher.progress import report
 dist.init_process_group("gloo")
 rank, restart = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 steps = 3 if restart else 400
@@ -36,6 +39,7 @@ for i in range(steps):
     dist.all_reduce(t)
     if rank == 0:
         print(f"restart {restart} step {i}", flush=True)
+        report(i + 1)  # progress: the warm spares start now rather than after 30 s
     time.sleep(0.1)
 dist.destroy_process_group()
 """
@@ -107,6 +111,8 @@ def test_a_killed_rank_is_relaunched_and_training_resumes_from_the_last_checkpoi
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-5000:]
     assert "restart 1 of 1 after: rank 3 on" in out and "its process exited unexpectedly" in out
+    # the relaunch ran on the spares started beside the first attempt, in its placement groups
+    assert "relaunching every rank (on the warm spares)" in out
     log = (runs / job / "rank-0.log").read_text()
     before, after = log.split("resumed from checkpoint at iteration ")
     resumed = int(after.split()[0])
@@ -114,6 +120,7 @@ def test_a_killed_rank_is_relaunched_and_training_resumes_from_the_last_checkpoi
     assert resumed == max(saved_before) >= 10  # nothing older than the last checkpoint
     summary = json.loads((runs / job / "summary.json").read_text())
     assert summary["status"] == "succeeded" and len(summary["restarts"]) == 1
+    assert summary["restarts"][0]["warm_spares"] is True
     assert summary["progress"]["iteration"] == 40  # the iteration count carried on to the end
     trained = re.search(r"loss [\d.]+ -> [\d.]+ over (\d+) steps", out)
     assert trained and int(trained.group(1)) == 40 - resumed
@@ -161,7 +168,7 @@ def test_a_stopped_rank_is_reported_as_a_hang_with_stacks(cluster, tmp_path):
 
 def _node_of_rank(cluster, runs: Path, job: str, rank: int):
     ip_pid = json.loads((runs / job / "topology.json").read_text())["ranks"][rank]["pid"]
-    node_id = next(a.node_id for a in ray.util.state.list_actors(filters=[("pid", "=", ip_pid)]))
+    node_id = next(a.node_id for a in list_actors(filters=[("pid", "=", ip_pid)]))
     return next(n for n in cluster.worker_nodes if n.node_id == node_id)
 
 
@@ -170,12 +177,15 @@ def test_a_lost_node_is_detected_and_the_job_relaunched_when_a_node_returns(clus
         cluster, "nodeloss", tmp_path, f"--nodes 2 --gpus-per-node 2 --max-restarts 1 {_loop(tmp_path)}"
     )
     wait_for_line(tmp_path / "nodeloss" / "rank-0.log", r"restart 0 step 5\b", proc)
+    wait_for_spares("nodeloss", 4, proc)
     cluster.remove_node(_node_of_rank(cluster, tmp_path, "nodeloss", 3))
     time.sleep(2)
     cluster.add_node(**NODE)
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-5000:]
     assert "restart 1 of 1 after: rank" in out
+    # a spare was lost with the node: every rank is placed anew, on the node that came back
+    assert "the warm spares cannot take over" in out and "placing every rank anew" in out
     assert "restart 1 step 2" in (tmp_path / "nodeloss" / "rank-0.log").read_text()
     assert leftovers("nodeloss") == ([], [])
 
@@ -193,7 +203,28 @@ def test_a_lost_node_that_never_returns_fails_clearly(cluster, tmp_path):
     cluster.add_node(**NODE)  # leave the cluster as the other tests found it
 
 
+def wait_for_spares(job: str, count: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        alive = list_actors(filters=[("state", "=", "ALIVE")], limit=10000)
+        if sum((a.name or "").startswith(f"{job}-a1-rank") for a in alive) == count:
+            return
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+        time.sleep(0.2)
+    raise AssertionError(f"the spares of {job} never started")
+
+
 def _loop(tmp_path: Path) -> Path:
     script = tmp_path / "loop.py"
     script.write_text(LOOP)
     return script
+
+
+def test_stopping_a_job_with_warm_spares_leaves_nothing(cluster, tmp_path):
+    args = f"--nodes 2 --gpus-per-node 2 --max-restarts 1 {_loop(tmp_path)}"
+    proc = driver(cluster, "stopspares", tmp_path, args)
+    wait_for_spares("stopspares", 4, proc)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-4000:]
+    assert leftovers("stopspares") == ([], [])
