@@ -20,13 +20,12 @@ import json
 import os
 import re
 import signal
-import statistics
 import subprocess
 import tempfile
 import time
 from pathlib import Path
 
-from common import PY, REPO, clean_env, summary
+from common import PY, REPO, clean_env, median, summary
 
 HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
 # Ranks that train as a job would: a collective and a line of output every 0.1 s, so one stopped
@@ -46,7 +45,17 @@ while True:
     report(step)
     time.sleep(0.1)
 """
-RESTARTS = ("restart", "restart cold")
+# The dry-run trainer as a plain script, for torchrun: only the training, whose one
+# init_process_group suits torchrun's agent store (its keys outlive a process group; a second init in
+# the same attempt can read the first one's stale addresses).
+DRY_RUN = """
+import os, sys
+open(os.path.join(sys.argv[1], f"pid-{os.environ['RANK']}"), "w").write(str(os.getpid()))
+from launcher.dryrun import parse_options
+from launcher.tiny_gpt import train
+train(**parse_options(sys.argv[2:]))
+"""
+RESTART_MODES = ("warm spares", "cold", "torchrun")
 # The relaunched trainer's first step: the dry run resumes, then saves after its first step.
 FIRST_STEP = re.compile(r"resumed from checkpoint at iteration \d+\n[\s\S]*saved checkpoint")
 
@@ -78,53 +87,25 @@ def _text(path: Path) -> str:
     return path.read_text() if path.exists() else ""
 
 
-def once(cluster, scenario: str, job: str, hang_timeout: float, trainer: str) -> tuple[float, float]:
+def once(cluster, scenario: str, job: str, hang_timeout: float) -> tuple[float, float]:
+    """A killed rank, a lost node or a hang: (seconds to ranks gone and groups removed, to exit)."""
     import ray
 
     runs = Path(tempfile.mkdtemp(prefix="megaray-failures-"))
     (runs / "loop.py").write_text(LOOP)
     hang = hang_timeout if scenario == "hang" else 0
-    megatron = scenario in RESTARTS and trainer == "megatron"
     cmd = [PY, str(REPO / "main.py"), "--address", cluster.address, "--job-name", job, "--device", "cpu",
            "--nodes", "2", "--gpus-per-node", "1", "--runs-dir", str(runs), "--hang-timeout", str(hang),
-           "--max-restarts", str(int(scenario in RESTARTS)),
-           "--spares" if scenario == "restart" else "--no-spares"]  # fmt: skip
-    if megatron:
-        cmd += ["--dry-run", "steps=1000000", f"save={runs / 'ckpt'}", "save_every=1"]
-    else:
-        cmd += [str(runs / "loop.py"), str(runs)]
-    driver_out = runs / "driver.out"
-    with driver_out.open("w") as sink:
-        p = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=sink, stderr=subprocess.STDOUT)
+           str(runs / "loop.py"), str(runs)]  # fmt: skip
+    p = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        topo = runs / job / "topology.json"
-        log0 = runs / job / "rank-0.log"
-        if megatron:
-            _wait(scenario, lambda: topo.exists() and "saved checkpoint at iteration 2" in _text(log0), p)
-        else:
-            _wait(scenario, lambda: topo.exists() and len(list(runs.glob("pid-*"))) == 2, p, 120)
-        if scenario == "restart":  # kill a rank once the spares are ready, as in a long run
-            _wait("spares", lambda: "warm spare(s) ready" in _text(driver_out), p)
-        while scenario == "hang" and not (log0.exists() and "step" in log0.read_text()):
-            time.sleep(0.02)  # stop a rank only once the job has printed: the hang clock is running
-        time.sleep(0.5 if scenario == "hang" else 0)
-        ranks = json.loads(topo.read_text())["ranks"]
-        pids = [r["pid"] for r in ranks]
+        topo, log0 = runs / job / "topology.json", runs / job / "rank-0.log"
+        _wait(scenario, lambda: topo.exists() and len(list(runs.glob("pid-*"))) == 2, p, 120)
+        if scenario == "hang":  # stop a rank only once the job has printed: the hang clock is running
+            _wait(scenario, lambda: "step" in _text(log0), p, 120)
+            time.sleep(0.5)
+        pids = [r["pid"] for r in json.loads(topo.read_text())["ranks"]]
         t0 = time.monotonic()
-        if scenario in RESTARTS:  # to the relaunch's first step (or ranks past init), then stop
-            os.kill(pids[1], signal.SIGKILL)
-            if megatron:
-                _wait(scenario, lambda: FIRST_STEP.search(_text(log0)) is not None, p, 300)
-            else:
-                first = (runs / "pid-0").read_text()
-                _wait(scenario, lambda: (runs / "pid-0").read_text() not in ("", first), p, 120)
-            took = time.monotonic() - t0
-            p.send_signal(signal.SIGINT)
-            p.wait(60)
-            # the relaunch's own phases (seconds since it began): where a restart spends its time
-            phases = json.loads((runs / job / "summary.json").read_text())["timings"]
-            print(f"  {scenario}, the relaunch's phases: {phases}", flush=True)
-            return took, took
         if scenario == "rank death":
             os.kill(pids[1], signal.SIGKILL)
         elif scenario == "hang":
@@ -153,6 +134,73 @@ def once(cluster, scenario: str, job: str, hang_timeout: float, trainer: str) ->
             cluster.wait_for_nodes()
 
 
+def restart_once(cluster, mode: str, job: str, trainer: str) -> float | None:
+    """--max-restarts 1 and a SIGKILL of rank 1: seconds to the relaunch's first step (the dry-run
+    trainer resumes from its checkpoint, trains a step and saves it) or, for the loop, to the
+    relaunched rank 0 past init_process_group; None if the relaunch failed. `mode`: megaray on warm
+    spares, megaray cold, or torchrun (`--standalone --max-restarts 1`, 2 processes)."""
+    runs = Path(tempfile.mkdtemp(prefix="megaray-restart-"))
+    (runs / "loop.py").write_text(LOOP)
+    (runs / "dry.py").write_text(DRY_RUN)
+    train_args = ["steps=1000000", f"save={runs / 'ckpt'}", "save_every=1"]
+    if mode == "torchrun":
+        script = ["dry.py", str(runs), *train_args] if trainer == "megatron" else ["loop.py", str(runs)]
+        cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+               "--max-restarts", "1", str(runs / script[0]), *script[1:]]  # fmt: skip
+        log0 = runs / "driver.out"  # torchrun passes rank 0's output through
+    else:
+        cmd = [PY, str(REPO / "main.py"), "--address", cluster.address, "--job-name", job, "--device", "cpu",
+               "--nodes", "2", "--gpus-per-node", "1", "--runs-dir", str(runs), "--max-restarts", "1",
+               "--spares" if mode == "warm spares" else "--no-spares"]  # fmt: skip
+        cmd += ["--dry-run", *train_args] if trainer == "megatron" else [str(runs / "loop.py"), str(runs)]
+        log0 = runs / job / "rank-0.log"
+    topo, driver_out = runs / job / "topology.json", runs / "driver.out"
+
+    def victim() -> int | None:  # rank 1: megaray's topology has it; torchrun's ranks write theirs
+        if mode != "torchrun":
+            return json.loads(topo.read_text())["ranks"][1]["pid"] if topo.exists() else None
+        return int(_text(runs / "pid-1") or 0) or None
+
+    def training() -> bool:
+        if trainer == "loop":
+            return victim() is not None and _text(runs / "pid-0") != ""
+        return victim() is not None and "saved checkpoint at iteration 2" in _text(log0)
+
+    env = clean_env()
+    if mode == "torchrun":
+        # torchrun's relaunched ranks otherwise read the previous attempt's addresses from the
+        # rendezvous store it shares with them, and fail to connect (pytorch/pytorch#135712).
+        env["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
+    with driver_out.open("w") as sink:
+        p = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        _wait(mode, training, p)
+        if mode == "warm spares":  # kill a rank once the spares are ready, as in a long run
+            _wait(mode, lambda: "warm spare(s) ready" in _text(driver_out), p)
+        first = _text(runs / "pid-0")
+        t0 = time.monotonic()
+        os.kill(victim(), signal.SIGKILL)
+        try:
+            if trainer == "megatron":
+                _wait(mode, lambda: FIRST_STEP.search(_text(log0)) is not None, p)
+            else:
+                _wait(mode, lambda: _text(runs / "pid-0") not in ("", first), p, 120)
+        except RuntimeError:
+            last = [line for line in _text(driver_out).splitlines() if "Error" in line][-1:]
+            print(f"  restart ({mode}): the relaunch failed: {' '.join(last)[:300]}", flush=True)
+            return None
+        took = time.monotonic() - t0
+        p.send_signal(signal.SIGINT)
+        p.wait(60)
+        if mode != "torchrun":  # where the relaunch spent its time (seconds since it began)
+            phases = json.loads((runs / job / "summary.json").read_text())["timings"]
+            print(f"  restart ({mode}), the relaunch's phases: {phases}", flush=True)
+        return took
+    finally:
+        if p.poll() is None:
+            p.kill()
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("--repeats", type=int, default=3)
@@ -163,6 +211,7 @@ def main(argv: list[str] | None = None) -> dict:
         default="megatron",
         help="what the restart scenarios run: the Megatron dry-run trainer, or a gloo loop (faster)",
     )
+    parser.add_argument("--only", choices=("teardown", "restart"), help="run only these scenarios")
     args = parser.parse_args(argv)
     import ray
     from ray.cluster_utils import Cluster
@@ -177,13 +226,18 @@ def main(argv: list[str] | None = None) -> dict:
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     results: dict[str, list[tuple[float, float]]] = {}
+    restarts: dict[str, list[float]] = {}
     try:
-        for scenario in ("rank death", "node loss", "hang", *RESTARTS):
-            job = f"fail-{scenario.replace(' ', '-')}"
+        for scenario in ("rank death", "node loss", "hang") if args.only != "restart" else ():
             results[scenario] = [
-                once(cluster, scenario, f"{job}{i}", args.hang_timeout, args.trainer)
+                once(cluster, scenario, f"fail-{scenario.split()[0]}{i}", args.hang_timeout)
                 for i in range(args.repeats)
             ]
+        # interleaved, so that load on the machine hits all three alike
+        for i in range(args.repeats if args.only != "teardown" else 0):
+            for mode in RESTART_MODES:
+                job = f"restart-{mode.split()[0]}{i}"
+                restarts.setdefault(mode, []).append(restart_once(cluster, mode, job, args.trainer))
     finally:
         ray.shutdown()
         cluster.shutdown()
@@ -194,22 +248,29 @@ def main(argv: list[str] | None = None) -> dict:
         f"{HEALTH['health_check_failure_threshold']})",
         "hang": f" (after --hang-timeout {args.hang_timeout:g}s)",
     }
+    for scenario, runs in results.items():
+        print(f"  {scenario}{notes[scenario]}: ranks gone + groups removed {summary([r[0] for r in runs])}; "
+              f"driver exited {summary([r[1] for r in runs])}", flush=True)  # fmt: skip
+    print("  torchrun: a lost node or a hung rank waits for NCCL's watchdog (600 s by default)", flush=True)
+    if not restarts:
+        return results
     to = (
         "first step after resuming"
         if args.trainer == "megatron"
-        else "relaunched ranks past init_process_group"
+        else "relaunched rank 0 past init_process_group"
     )
-    for scenario, runs in results.items():
-        if scenario in RESTARTS:
-            how = "warm spares" if scenario == "restart" else "cold, --no-spares"
-            print(f"  restart ({how}; SIGKILL to the {to}): {summary([r[0] for r in runs])}", flush=True)
-            continue
-        print(f"  {scenario}{notes[scenario]}: ranks gone + groups removed {summary([r[0] for r in runs])}; "
-              f"driver exited {summary([r[1] for r in runs])}", flush=True)  # fmt: skip
-    cold, warm = (statistics.median(r[0] for r in results[s]) for s in ("restart cold", "restart"))
-    print(f"  restart cold/warm spares: {cold / warm:.1f}x", flush=True)
-    print("  torchrun: a lost node or a hung rank waits for NCCL's watchdog (600 s by default)", flush=True)
-    return results
+    print(f"restart, --max-restarts 1, 2 ranks, SIGKILL of rank 1 to the {to} (seconds):", flush=True)
+    done = {mode: [t for t in times if t is not None] for mode, times in restarts.items()}
+    for mode, times in restarts.items():
+        lost = len(times) - len(done[mode])
+        failed = f"; the relaunch failed {lost} of {len(times)} times" if lost else ""
+        name = mode if mode == "torchrun" else f"megaray {mode}"
+        print(f"  {name}: {summary(done[mode])}{failed}", flush=True)
+    if all(done.values()):
+        base = median(done["torchrun"])
+        ratios = ", ".join(f"{mode} {median(done[mode]) / base:.2f}" for mode in RESTART_MODES[:2])
+        print(f"  megaray/torchrun: {ratios}", flush=True)
+    return {**results, **{f"restart {mode}": times for mode, times in restarts.items()}}
 
 
 if __name__ == "__main__":
