@@ -36,15 +36,23 @@ def _py_spy() -> str | None:
     return here if os.access(here, os.X_OK) else shutil.which("py-spy")
 
 
+def process_state(pid: int) -> str | None:
+    """The state letter in /proc/<pid>/stat (R, S, T, Z, ...); None when there is no such process."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115
+        return stat[stat.rindex(")") + 2]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def inspect_process(pid: int) -> dict[str, Any]:
     """On the rank's node: state and Python stack of one rank process."""
     out: dict[str, Any] = {"pid": pid, "state": "?", "stack": None, "how": None}
-    try:
-        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115
-        out["state"] = stat[stat.rindex(")") + 2]
-    except (OSError, ValueError, IndexError):
+    state = process_state(pid)
+    if state is None:
         out["state"] = "gone"
         return out
+    out["state"] = state
     spy = _py_spy()
     if spy:
         try:

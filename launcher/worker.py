@@ -74,12 +74,11 @@ REPLACED_EXIT_TIMEOUT_S = 30.0
 
 def wait_gone(pid: int, timeout_s: float) -> bool:
     """Wait for process `pid` on this node to exit (a zombie has exited); False on timeout."""
+    from .hang import process_state
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        try:
-            if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
-                return True
-        except (OSError, IndexError):
+        if process_state(pid) in (None, "Z"):
             return True
         time.sleep(0.02)
     return False
