@@ -17,8 +17,9 @@ from common import PY, REPO, median, ray_cluster, summary, timed
 TARGET = str(REPO / "bench" / "barrier.py")
 
 
-def one(cmd: list[str], ranks: int) -> float:
-    """Seconds from starting `cmd` to the last rank past the barrier."""
+def one(cmd: list[str], ranks: int) -> tuple[float, float]:
+    """Seconds from starting `cmd` to the last rank past the barrier, and the median CPU seconds a
+    rank's process had used by then."""
     out = Path(tempfile.mkdtemp(prefix="megaray-barrier-"))
     try:
         t0, p = timed([*cmd, TARGET, "--out", str(out)])
@@ -26,10 +27,10 @@ def one(cmd: list[str], ranks: int) -> float:
             raise RuntimeError(
                 f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-3000:]}{p.stderr[-3000:]}"
             )
-        stamps = [float(f.read_text()) for f in out.iterdir()]
+        stamps = [tuple(map(float, f.read_text().split())) for f in out.iterdir()]
         if len(stamps) != ranks:
             raise RuntimeError(f"{len(stamps)} of {ranks} ranks reported")
-        return max(stamps) - t0
+        return max(at for at, _ in stamps) - t0, median([cpu for _, cpu in stamps])
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
@@ -49,15 +50,19 @@ def main(argv: list[str] | None = None) -> dict:
                 "megaray-own-ray": [*megaray, "--gpus-per-node", str(n)],
             }
             times: dict[str, list[float]] = {m: [] for m in modes}
+            cpus: dict[str, list[float]] = {m: [] for m in modes}
             for _ in range(args.repeats):
                 for mode, cmd in modes.items():  # interleaved, so drift on a shared machine hits all
-                    times[mode].append(one(cmd, n))
-            results[n] = times
+                    seconds, cpu = one(cmd, n)
+                    times[mode].append(seconds)
+                    cpus[mode].append(cpu)
+            results[n] = {m: {"seconds": times[m], "rank_cpu": cpus[m]} for m in modes}
             base = median(times["torchrun"])
             print(f"{n} ranks:", flush=True)
             for mode, ts in times.items():
                 diff = "" if mode == "torchrun" else f"  {median(ts) - base:+.2f} s vs torchrun"
-                print(f"  {mode:17s} {summary(ts)} s{diff}", flush=True)
+                cpu = f"; a rank's CPU by the barrier {median(cpus[mode]):.2f} s"
+                print(f"  {mode:17s} {summary(ts)} s{diff}{cpu}", flush=True)
     return results
 
 

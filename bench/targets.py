@@ -9,6 +9,13 @@ def noop() -> int:
     return int(os.environ["RANK"])
 
 
+def cpu_seconds() -> float:
+    """CPU seconds this rank's process has used so far: the Ray worker's start-up and megaray's
+    setup, which run on the rank's own node and so, on a real cluster, in parallel across nodes."""
+    t = os.times()
+    return t.user + t.system
+
+
 def wait_forever() -> None:
     """Write this rank's pid to <argv[1]>/pid-<rank>, then block until killed."""
     out = sys.argv[1]

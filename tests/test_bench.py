@@ -17,8 +17,10 @@ def test_launch_overhead_runs_all_three_modes(capsys):
 
     results = launch_overhead.main(["--ranks", "2", "--repeats", "1"])
     assert set(results[2]) == {"torchrun", "megaray-attached", "megaray-own-ray"}
-    assert all(len(v) == 1 and v[0] > 0 for v in results[2].values())
-    assert "s vs torchrun" in capsys.readouterr().out
+    assert all(len(v["seconds"]) == 1 and v["seconds"][0] > 0 for v in results[2].values())
+    assert all(v["rank_cpu"][0] > 0 for v in results[2].values())
+    out = capsys.readouterr().out
+    assert "s vs torchrun" in out and "a rank's CPU by the barrier" in out
 
 
 def test_control_plane_reports_each_phase(capsys):
@@ -27,7 +29,11 @@ def test_control_plane_reports_each_phase(capsys):
     results = control_plane.main(["--layouts", "2x2", "--repeats", "1"])
     run = results["2x2"]["megaray"][0]
     assert 0 < run["placed"] <= run["actors_ready"] <= run["finished"] <= run["torn_down"]
-    assert "ms/rank" in capsys.readouterr().out
+    # every rank reported its own process's CPU (a Ray worker costs well over 0.1 CPU-second)
+    assert run["cpu rank process"] > 4 * 0.1
+    assert all(run[f"cpu {part}"] >= 0 for part in control_plane.CPU_PARTS)
+    out = capsys.readouterr().out
+    assert "ms/rank" in out and "CPU ms per rank" in out
 
 
 def test_teardown_measures_both_launchers(capsys):
