@@ -15,21 +15,19 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 from common import PY, REPO, median, ray_cluster, summary, timed
 
 PHASES = ("placed", "actors_ready", "env_set", "finished", "torn_down")
 CPU_PARTS = ("driver", "gcs", "raylets", "rank process")
-
-
+DAEMON_PARTS = {"gcs_server": "gcs", "raylet": "raylets"}  # process name -> part
 IDLE_SAMPLE_S = 3.0
 
 
 def _cpu_now() -> dict[str, float]:
     """CPU seconds used so far by this process (the driver) and by its GCS and raylets (the
     simulated cluster's)."""
-    import time
-
     import psutil
 
     cpu = {"driver": time.process_time(), "gcs": 0.0, "raylets": 0.0}
@@ -38,7 +36,7 @@ def _cpu_now() -> dict[str, float]:
             name, t = proc.name(), proc.cpu_times()
         except psutil.Error:
             continue
-        part = {"gcs_server": "gcs", "raylet": "raylets"}.get(name)
+        part = DAEMON_PARTS.get(name)
         if part:
             cpu[part] += t.user + t.system
     return cpu
@@ -55,8 +53,6 @@ def megaray_once(address: str, nodes: int, gpus: int) -> dict[str, float]:
     proportion to time rather than ranks; the rate measured over a few idle seconds just before
     the launch is taken off, so what is left is what the launch cost them.
     """
-    import time
-
     import ray
 
     sys.path.insert(0, str(REPO))
@@ -88,8 +84,6 @@ def torchrun_once(ranks: int) -> float:
                    "--no-python", "true"])  # fmt: skip
     if p.returncode != 0:
         raise RuntimeError(p.stderr[-2000:])
-    import time
-
     return time.time() - t0
 
 

@@ -5,10 +5,6 @@ import sys
 import time
 
 
-def noop() -> int:
-    return int(os.environ["RANK"])
-
-
 def cpu_seconds() -> float:
     """CPU seconds this rank's process has used so far: the Ray worker's start-up and megaray's
     setup, which run on the rank's own node and so, on a real cluster, in parallel across nodes."""
