@@ -89,9 +89,15 @@ def _report_dry_run(views: list[dict], nodes: int) -> int:
     )
     trained = [v["training"] for v in views if v.get("training") and v["training"]["losses"]]
     if not trained:
+        from .tiny_gpt import choose_layout
+
+        tp, pp, dp = choose_layout(len(views), views[0]["local_world_size"])
         log.info(
-            "megatron-core is not installed: install megaray[megatron] to also train a tiny Megatron GPT"
-        )
+            "megatron-core is not installed, so no Megatron training ran; with the megatron extra "
+            "(pip install -e '.[megatron]') this dry run would also train a tiny Megatron GPT with "
+            "TP %d x PP %d x DP %d over gloo across the %d ranks and print its loss",
+            tp, pp, dp, len(views),
+        )  # fmt: skip
         return 0
     first = trained[0]
     curve = first["losses"]

@@ -34,8 +34,23 @@ FUSIONS_NEEDING_KERNELS = (
 )
 
 
+def installed(module: str) -> bool:
+    """Whether `module` can be imported, without importing it.
+
+    `find_spec("a.b")` imports `a` and raises when `a` is missing, so the top-level name is looked
+    up first.
+    """
+    top = module.partition(".")[0]
+    if importlib.util.find_spec(top) is None:
+        return False
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ImportError:
+        return False
+
+
 def te_installed() -> bool:
-    return importlib.util.find_spec("transformer_engine") is not None
+    return installed("transformer_engine")
 
 
 class _NoTE(types.ModuleType):

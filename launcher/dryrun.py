@@ -8,11 +8,12 @@ installed, the ranks then train a tiny Megatron GPT together (see tiny_gpt.py).
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import socket
 from datetime import timedelta
 from typing import Any
+
+from .compat import installed
 
 DRY_RUN_OPTIONS = {"steps": int, "save": str, "save_every": int}
 
@@ -38,7 +39,7 @@ def parse_options(args: list[str] | tuple[str, ...]) -> dict[str, Any]:
 def check_and_train(*args: str) -> dict[str, Any]:
     options = parse_options(args)
     result = check()
-    if importlib.util.find_spec("megatron.core") is not None:
+    if installed("megatron.core"):
         from .tiny_gpt import train
 
         result["training"] = train(**options)

@@ -407,3 +407,12 @@ def test_warm_applies_the_env_first_and_reports_what_did_not_import(monkeypatch)
 def test_a_spare_waits_for_the_process_it_replaces():
     assert wait_gone(2**22 + 12345, timeout_s=0.1)  # no such pid: gone
     assert not wait_gone(os.getpid(), timeout_s=0.1)  # still here when the wait ends
+
+
+def test_installed_answers_for_dotted_names_whose_parent_is_missing():
+    # find_spec("megatron.core") raises where megatron is absent: the README demo's first failure.
+    from launcher.compat import installed
+
+    assert installed("json.decoder")
+    assert not installed("no_such_top_level_pkg.core")
+    assert not installed("json.no_such_submodule")
