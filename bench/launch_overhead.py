@@ -15,6 +15,7 @@ from pathlib import Path
 from common import PY, REPO, median, ray_cluster, summary, timed
 
 TARGET = str(REPO / "bench" / "barrier.py")
+MODES = ("torchrun", "megaray-attached", "megaray-own-ray")
 
 
 def one(cmd: list[str], ranks: int) -> tuple[float, float]:
@@ -39,6 +40,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     args = parser.parse_args(argv)
     megaray = [PY, str(REPO / "main.py"), "--device", "cpu", "--cpus-per-rank", "0.1"]
     results: dict = {}
@@ -49,6 +51,7 @@ def main(argv: list[str] | None = None) -> dict:
                 "megaray-attached": [*megaray, "--address", address, "--gpus-per-node", str(n)],
                 "megaray-own-ray": [*megaray, "--gpus-per-node", str(n)],
             }
+            modes = {m: cmd for m, cmd in modes.items() if m in args.modes}
             times: dict[str, list[float]] = {m: [] for m in modes}
             cpus: dict[str, list[float]] = {m: [] for m in modes}
             for _ in range(args.repeats):

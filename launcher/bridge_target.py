@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import sys
 from collections.abc import Iterator
 from typing import Any
@@ -92,6 +93,23 @@ def pretrain_recipe(recipe: Recipe, overrides: list[str], hf_path: str | None = 
     from megatron.bridge.training.pretrain import pretrain
 
     pretrain(config=cfg, forward_step_func=forward_step)
+    report_peak_memory()
+
+
+def report_peak_memory() -> None:
+    """One line with this rank's peak GPU memory, the figure a memory estimate is checked against
+    (Megatron logs its own only after the first iterations)."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    gib = 2**30
+    print(
+        f"megaray: rank {os.environ.get('RANK', '0')} peak GPU memory: "
+        f"{torch.cuda.max_memory_allocated() / gib:.2f} GiB allocated, "
+        f"{torch.cuda.max_memory_reserved() / gib:.2f} GiB reserved",
+        flush=True,
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

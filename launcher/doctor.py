@@ -234,6 +234,7 @@ def allreduce_bandwidth() -> dict[str, Any]:
     return {
         "rank": rank,
         "backend": "nccl" if use_nccl else "gloo",
+        "backend_version": ".".join(map(str, torch.cuda.nccl.version())) if use_nccl else torch.__version__,
         "sweep": sweep,
         "node_rank": node_rank,
         "node_busbw": bus_bandwidth(largest, node_time, local_world),
@@ -353,7 +354,8 @@ def _bandwidth(args: argparse.Namespace, address: str | None) -> bool:
         rows.append(
             (_size(size), f"{seconds * 1e3:.3f} ms", f"{bus_bandwidth(size, seconds, world):.3f} GB/s")
         )
-    print(f"all-reduce over {world} ranks ({first['backend']}):\n{format_table(rows, '  ')}", flush=True)
+    version = f"{first['backend']} {first['backend_version']}" if first["backend"] == "nccl" else "gloo"
+    print(f"all-reduce over {world} ranks ({version}):\n{format_table(rows, '  ')}", flush=True)
     per_node = {
         r["node_rank"]: r["node_busbw"] for r in result.returns if r["rank"] % args.gpus_per_node == 0
     }

@@ -54,17 +54,3 @@ def test_failures_times_rank_death_node_loss_and_a_hang(capsys):
     assert all(len(results[r]) == 1 and results[r][0] > 0 for r in restarts)
     out = capsys.readouterr().out
     assert "NCCL's watchdog" in out and "megaray/torchrun: warm spares" in out
-
-
-def test_gpu_parity_report_reads_megatron_logs(tmp_path, capsys):
-    import parity_report
-
-    line = (" {t} [2026-11-22] iteration {i:8d}/      40 | consumed samples: 8 | "
-            "elapsed time per iteration (ms): {ms} | lm loss: {loss} |\n")  # fmt: skip
-    for name, ms in (("torchrun", 480.0), ("megaray", 484.8)):
-        text = "".join(line.format(t=10 + i, i=i, ms=ms, loss=10.0 - i / 10) for i in range(1, 41))
-        (tmp_path / f"{name}.log").write_text(text)
-    sys.argv = ["parity_report", str(tmp_path / "torchrun.log"), str(tmp_path / "megaray.log")]
-    parity_report.main()
-    out = capsys.readouterr().out
-    assert "megaray/torchrun steady-state ratio: 1.0100" in out
