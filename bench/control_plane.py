@@ -56,8 +56,8 @@ def megaray_once(address: str, nodes: int, gpus: int) -> dict[str, float]:
     import ray
 
     sys.path.insert(0, str(REPO))
-    from launcher.driver import launch
-    from launcher.spec import spec_from_args
+    from launcher.core.spec import spec_from_args
+    from launcher.driver.launch import launch
 
     os.chdir(REPO)
     ray.init(address=address, namespace="megaray", log_to_driver=False)

@@ -33,7 +33,7 @@ HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
 LOOP = """
 import os, sys, time
 import torch, torch.distributed as dist
-from launcher.progress import report
+from launcher import report
 dist.init_process_group("gloo")
 open(os.path.join(sys.argv[1], f"pid-{dist.get_rank()}"), "w").write(str(os.getpid()))
 step = 0
@@ -51,8 +51,8 @@ while True:
 DRY_RUN = """
 import os, sys
 open(os.path.join(sys.argv[1], f"pid-{os.environ['RANK']}"), "w").write(str(os.getpid()))
-from launcher.dryrun import parse_options
-from launcher.tiny_gpt import train
+from launcher.core.target import parse_dry_run_options as parse_options
+from launcher.megatron.tiny_gpt import train
 train(**parse_options(sys.argv[2:]))
 """
 RESTART_MODES = ("warm spares", "cold", "torchrun")

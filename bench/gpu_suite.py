@@ -56,7 +56,7 @@ KILL_AFTER_ITERATION = 12
 # Read every module the runs import once before the first is timed, so that torchrun (run first) does
 # not pay alone for a cold file cache.
 WARM_UP = (
-    "from launcher import compat; compat.import_bridge(); import megatron.bridge.training.pretrain, "
+    "from launcher.megatron import compat; compat.import_bridge(); import megatron.bridge.training.pretrain, "
     "megatron.bridge.training.gpt_step, megatron.bridge.recipes.gpt.vanilla_gpt, megatron.bridge.recipes.qwen"
 )  # two checkpoints (5, 10) exist; the relaunch resumes from 10
 
@@ -415,7 +415,7 @@ class Suite:
 
     def torchrun(self, extra: list[str] | None = None) -> list[str]:
         return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", *(extra or []),
-                "-m", "launcher.bridge_target"]  # fmt: skip
+                "-m", "launcher.megatron.bridge_target"]  # fmt: skip
 
     def megaray(self, job: str, extra: list[str] | None = None) -> list[str]:
         return [PY, str(REPO / "main.py"), "--nodes", "1", "--gpus-per-node", "1", "--job-name", job,
@@ -489,7 +489,7 @@ def _rank0_pid(suite: Suite, mode: str, job: str, s: Stamped) -> int | None:
 
     for child in psutil.Process(s.proc.pid).children(recursive=True):
         try:
-            if "launcher.bridge_target" in " ".join(child.cmdline()):
+            if "launcher.megatron.bridge_target" in " ".join(child.cmdline()):
                 return child.pid
         except psutil.Error:
             continue

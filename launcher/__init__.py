@@ -6,11 +6,16 @@ From Python, the same path as the command line:
     result = launch(spec_from_args(["--nodes", "2", "--gpus-per-node", "8", "--entrypoint", "train:main"]))
     result.returns  # what each rank's function returned, by rank
 
-`launch` and `LaunchResult` import Ray on first use, so that importing the package stays light and
-the CLI can configure Ray's logging before Ray is imported.
+`launch`, `LaunchResult`, `RankGroup` and `RankGang` import Ray on first use, so that importing the
+package stays light and the CLI can configure Ray's logging before Ray is imported. `report()` sends
+progress to the driver from a rank (a no-op outside a launch).
+
+The package is grouped by where code runs: `core/` (pure decisions, no Ray or torch), `driver/`
+(the launch and everything that talks to Ray), `rank/` (inside each rank's process), `megatron/`
+(the Megatron-Bridge target, its preflight, the CPU dry run), `cli/` (the command lines).
 """
 
-from .errors import (
+from .core.errors import (
     ClusterError,
     Interrupted,
     MegarayError,
@@ -19,8 +24,10 @@ from .errors import (
     ResourceError,
     UsageError,
 )
-from .recipes import Recipe, load_recipe
-from .spec import LaunchSpec, Target, spec_from_args
+from .core.recipes import Recipe, load_recipe
+from .core.spec import LaunchSpec, spec_from_args
+from .core.target import Target, TargetKind
+from .rank.capture import report
 
 __all__ = [
     "ClusterError",
@@ -30,18 +37,27 @@ __all__ = [
     "MegarayError",
     "RankFailedError",
     "RankFailure",
+    "RankGang",
     "RankGroup",
     "RankInfo",
     "Recipe",
     "ResourceError",
     "Target",
+    "TargetKind",
     "UsageError",
     "launch",
     "load_recipe",
+    "report",
     "spec_from_args",
 ]
 
-_LAZY = {"launch": "driver", "LaunchResult": "driver", "RankInfo": "driver", "RankGroup": "group"}
+_LAZY = {
+    "launch": "driver.launch",
+    "LaunchResult": "driver.launch",
+    "RankInfo": "driver.gang",
+    "RankGang": "driver.gang",
+    "RankGroup": "driver.group",
+}
 
 
 def __getattr__(name: str):

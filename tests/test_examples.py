@@ -14,7 +14,7 @@ import tempfile
 import pytest
 import yaml
 
-from launcher.spec import spec_from_args
+from launcher.core.spec import spec_from_args
 
 from .conftest import REPO, free_port
 

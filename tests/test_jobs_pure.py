@@ -6,9 +6,9 @@ import shlex
 
 import pytest
 
-from launcher.errors import RankFailedError, RankFailure, UsageError
-from launcher.jobs import auth_headers, job_entrypoint, job_metadata, package_excludes, root_cause
-from launcher.jobs import submit_spec_from_args as parse
+from launcher.cli.jobspec import auth_headers, job_entrypoint, job_metadata, package_excludes, root_cause
+from launcher.cli.jobspec import submit_spec_from_args as parse
+from launcher.core.errors import RankFailedError, RankFailure, UsageError
 
 
 def test_the_job_runs_the_same_launch_named_after_the_submission(tmp_path):
@@ -51,7 +51,7 @@ def test_address_comes_from_the_flag_then_the_environment():
             ["--working-dir", ".", "--runtime-env-json", '{"working_dir": "."}', "--", "--dry-run"],
             "given twice",
         ),
-        (["--", "--entrypoint", "launcher.dryrun:nope"], "defines no nope"),
+        (["--", "--entrypoint", "launcher.megatron.dryrun:nope"], "defines no nope"),
     ],
 )
 def test_bad_submissions_are_refused_here(argv, message):

@@ -13,12 +13,12 @@ import pytest
 if importlib.util.find_spec("megatron.core") is None or importlib.util.find_spec("megatron.bridge") is None:
     pytest.skip("the megatron extra is not installed", allow_module_level=True)
 
-from launcher import compat
-from launcher.bridge_target import build_config
 from launcher.cli import main
-from launcher.errors import UsageError
-from launcher.progress import facts_from_config
-from launcher.recipes import available_recipes, load_recipe
+from launcher.core.errors import UsageError
+from launcher.core.recipes import available_recipes, load_recipe
+from launcher.megatron import compat
+from launcher.megatron.bridge_target import build_config
+from launcher.megatron.facts import facts_from_config
 
 from .conftest import FIXTURES
 
@@ -84,9 +84,9 @@ def test_flops_per_token_is_megatrons_formula_for_llama3_8b_at_8192():
 
 
 def test_relaunches_resume_from_the_recipe_checkpoints_and_nccl_outlasts_the_hang_timeout(configs, tmp_path):
-    from launcher.driver import align_timeouts, resume_target
-    from launcher.preflight import Plan
-    from launcher.spec import spec_from_args
+    from launcher.core.spec import spec_from_args
+    from launcher.driver.launch import align_timeouts, resume_target
+    from launcher.megatron.preflight import Plan
 
     spec = spec_from_args(["--recipe", "gpt_small", "--hang-timeout", "900", f"checkpoint.save={tmp_path}"])
     cfg = build_config(spec.target.recipe, list(spec.target.args))[0]
@@ -178,7 +178,7 @@ def test_unknown_recipe_lists_the_available_ones(capsys):
 
 
 def test_recipes_are_found_in_the_checkout_or_a_wheel(tmp_path):
-    from launcher import recipes
+    from launcher.core import recipes
 
     assert recipes.recipe_dirs()[0].name == "recipes"
     copy = tmp_path / "mine.yaml"
@@ -193,7 +193,7 @@ def test_cpu_adaptation_touches_only_megatron_modules():
     code = """
 import torch, megatron.core.utils as mu, megatron.core.pipeline_parallel.schedules as sch
 from megatron.core.tensor_parallel import random
-from launcher.cpu_megatron import adapt_megatron_to_cpu, CpuRNGStatesTracker
+from launcher.megatron.cpu_megatron import adapt_megatron_to_cpu, CpuRNGStatesTracker
 adapt_megatron_to_cpu()
 assert mu.torch is not torch and sch.torch is not torch
 assert mu.torch.cuda.current_device() == torch.device("cpu")

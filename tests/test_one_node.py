@@ -258,7 +258,7 @@ def test_a_busy_master_port_exits_2(capsys):
 
 
 def test_port_reservations_are_exclusive_across_jobs():
-    from launcher import ports
+    from launcher.driver import ports
 
     assert ports.reserve("10.9.9.9", [21001, 21002], "job-a") == 21001
     assert ports.reserve("10.9.9.9", [21001, 21002], "job-b") == 21002
@@ -269,7 +269,7 @@ def test_port_reservations_are_exclusive_across_jobs():
 
 @pytest.mark.parametrize("profile", ["efa", "infiniband", "tcp", "cpu"])
 def test_each_env_profile_reaches_every_rank(profile, tmp_path):
-    from launcher.profiles import load_profile
+    from launcher.core.profiles import load_profile
 
     out = tmp_path / "out"
     assert launch(f"profile-{profile}", "--device", "cpu", "--gpus-per-node", "2", "--env-profile", profile,

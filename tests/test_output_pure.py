@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.output import OutputSink, parse_rank_list
-from launcher.progress import ProgressView, TrainingFacts, parse_megatron_line
-from launcher.rankenv import decide_env, redact
+from launcher.core.progress import TrainingFacts, parse_megatron_line
+from launcher.core.rankenv import decide_env, redact
+from launcher.core.topology import parse_rank_list
+from launcher.driver.progress_view import ProgressView
+from launcher.driver.relay import OutputSink
 
 # One line of Megatron-Bridge's training log (training/utils/train_utils.py, training_log)
 BRIDGE_LINE = (
@@ -107,7 +109,7 @@ def _node(gpus=(), rdma=None, ray_version="2.60.0", python="3.12.1", disk=100.0)
 
 
 def test_doctor_checks_versions_gpus_devices_and_disk():
-    from launcher.doctor import check_nodes, layout_problem, profile_needs
+    from launcher.cli.doctor import check_nodes, layout_problem, profile_needs
 
     want = ("2.60.0", "3.12.1")
     h100 = ["NVIDIA H100 80GB HBM3"] * 8
@@ -133,7 +135,7 @@ def test_doctor_checks_versions_gpus_devices_and_disk():
 
 
 def test_bus_bandwidth_and_slow_nodes():
-    from launcher.doctor import bus_bandwidth, slow_nodes
+    from launcher.cli.doctor import bus_bandwidth, slow_nodes
 
     # nccl-tests: busbw = size / time x 2(n-1)/n
     assert bus_bandwidth(1 << 30, 0.01, 8) == pytest.approx((1 << 30) / 0.01 * 14 / 8 / 1e9)

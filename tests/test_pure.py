@@ -2,20 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
 
 from launcher.cli import main
-from launcher.driver import check_target_locally
-from launcher.errors import RankFailedError, RankFailure, UsageError, describe_death
-from launcher.placement import nodes_that_fit
-from launcher.profiles import available_profiles, load_profile
-from launcher.rankenv import CONTRACT_KEYS, contract_env, decide_env, parse_env_pairs
-from launcher.recipes import load_recipe
-from launcher.spares import warm, warm_steps
-from launcher.spec import DRY_RUN_TARGET, LaunchSpec, Target, spec_from_args
-from launcher.topology import (
+from launcher.core.errors import RankFailedError, RankFailure, UsageError, describe_death
+from launcher.core.profiles import available_profiles, load_profile
+from launcher.core.rankenv import CONTRACT_KEYS, contract_env, decide_env, parse_env_pairs
+from launcher.core.recipes import load_recipe
+from launcher.core.spec import LaunchSpec, spec_from_args
+from launcher.core.target import DRY_RUN_TARGET, Target, check_target_locally
+from launcher.core.topology import (
     NodeSlot,
     assign_ranks,
     candidate_ports,
@@ -23,7 +22,10 @@ from launcher.topology import (
     order_nodes,
     visible_devices,
 )
-from launcher.worker import wait_gone
+from launcher.driver.placement import nodes_that_fit
+from launcher.driver.spares import warm_steps
+from launcher.rank.probes import wait_gone
+from launcher.rank.warmup import warm
 
 # What torchrun exports to each worker (torch/distributed/elastic/agent/server/local_elastic_agent.py),
 # less the agent-store and error-file variables that only its own agent uses.
@@ -304,19 +306,16 @@ def test_node_versions_must_match_the_driver():
 
     import ray
 
-    from launcher.cluster import check_versions
-    from launcher.errors import ClusterError
+    from launcher.core.errors import ClusterError
+    from launcher.core.topology import RankReport
+    from launcher.driver.cluster import check_versions
 
     py = ".".join(map(str, sys.version_info[:3]))
-    same = {"node_ip": "10.0.0.1", "hostname": "a", "ray_version": ray.__version__, "python_version": py}
+    same = RankReport(0, "10.0.0.1", "n1", "a", 1, (), ray.__version__, py, {})
     check_versions([same, same])
-    other = {
-        **same,
-        "node_ip": "10.0.0.2",
-        "hostname": "b",
-        "ray_version": "2.59.0",
-        "python_version": "3.12.9",
-    }
+    other = dataclasses.replace(
+        same, node_ip="10.0.0.2", hostname="b", ray_version="2.59.0", python_version="3.12.9"
+    )
     with pytest.raises(ClusterError) as err:
         check_versions([same, other])
     assert str(err.value) == (
@@ -329,7 +328,7 @@ def test_node_versions_must_match_the_driver():
 
 # -- Megatron layouts -----------------------------------------------------------------------------
 def test_layout_that_fits_has_no_problems():
-    from launcher.layout import Layout, layout_problems
+    from launcher.core.layout import Layout, layout_problems
 
     deepseek = Layout(tp=8, pp=1, ep=2, global_batch=64, micro_batch=1, num_heads=16, num_query_groups=16,
                       num_experts=64)  # fmt: skip
@@ -337,7 +336,7 @@ def test_layout_that_fits_has_no_problems():
 
 
 def test_layout_problems_print_the_numbers():
-    from launcher.layout import Layout, layout_problems
+    from launcher.core.layout import Layout, layout_problems
 
     problems = layout_problems(
         Layout(tp=4, pp=3, ep=3, global_batch=10, micro_batch=4, num_heads=6, num_experts=64),
@@ -357,7 +356,7 @@ def test_layout_problems_print_the_numbers():
 def test_failures_pickle_and_print_like_the_cli():
     import pickle
 
-    from launcher.errors import Interrupted
+    from launcher.core.errors import Interrupted
 
     err = RankFailedError(
         [RankFailure(2, "10.0.0.3", "h", "1", "exception", "KeyError: 'x'", "tb", at=1.0)], 4
@@ -385,17 +384,20 @@ def test_spares_import_the_launcher_stack_never_user_code():
     assert warm_steps(Target("script", "train.py")) == ("torch", "torch.distributed")
     assert warm_steps(Target("entrypoint", "mypkg.train:main")) == ("torch", "torch.distributed")
     dry = warm_steps(DRY_RUN_TARGET)
-    assert "megatron.core.models.gpt" in dry and "launcher.tiny_gpt" in dry
+    assert "megatron.core.models.gpt" in dry and "launcher.megatron.tiny_gpt" in dry
     recipe = load_recipe("llama3_8b")
     steps = warm_steps(Target("megatron", "llama3_8b", recipe=recipe))
-    assert steps.index("launcher.compat:import_bridge") < steps.index("megatron.bridge.training.pretrain")
+    assert steps.index("launcher.megatron.compat:import_bridge") < steps.index(
+        "megatron.bridge.training.pretrain"
+    )
     assert recipe.function.partition(":")[0] in steps
 
 
 def test_warm_applies_the_env_first_and_reports_what_did_not_import(monkeypatch):
     monkeypatch.delenv("MEGARAY_TEST_WARM", raising=False)
     result = warm(
-        {"MEGARAY_TEST_WARM": "1"}, ("json", "megaray_no_such_module", "launcher.compat:te_installed")
+        {"MEGARAY_TEST_WARM": "1"},
+        ("json", "megaray_no_such_module", "launcher.megatron.compat:te_installed"),
     )
     assert os.environ.pop("MEGARAY_TEST_WARM") == "1"
     assert list(result["failed"]) == ["megaray_no_such_module"]
@@ -411,7 +413,7 @@ def test_a_spare_waits_for_the_process_it_replaces():
 
 def test_installed_answers_for_dotted_names_whose_parent_is_missing():
     # find_spec("megatron.core") raises where megatron is absent: the README demo's first failure.
-    from launcher.compat import installed
+    from launcher.megatron.compat import installed
 
     assert installed("json.decoder")
     assert not installed("no_such_top_level_pkg.core")

@@ -30,7 +30,7 @@ NODE = {"num_cpus": 2, "num_gpus": 2}
 LOOP = """
 import os, time
 import torch, torch.distributed as dist
-from launcher.progress import report
+from launcher import report
 dist.init_process_group("gloo")
 rank, restart = dist.get_rank(), int(os.environ["TORCHELASTIC_RESTART_COUNT"])
 steps = 3 if restart else 400

@@ -1,0 +1,120 @@
+"""`megaray` / `python main.py`: parse, launch, map the outcome to an exit code and one clear message."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+
+from ..core.errors import MegarayError, RankFailedError
+from ..core.spec import spec_from_args
+from .jobspec import JOB_COMMANDS
+
+log = logging.getLogger("megaray")
+
+
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time (tests and notebooks swap it)."""
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+    @stream.setter
+    def stream(self, _value):
+        pass
+
+
+class _Formatter(logging.Formatter):
+    """`megaray: ...`, and `megaray: error: ...` for errors, so a failure's line can be found in logs."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        prefix = "megaray: error: " if record.levelno >= logging.ERROR else "megaray: "
+        return prefix + record.getMessage()
+
+
+def _setup_logging() -> None:
+    if not log.handlers:
+        handler = _StderrHandler()
+        handler.setFormatter(_Formatter())
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+        log.propagate = False
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Exit codes: 0 every rank returned; 1 a rank failed; 2 bad input or resources; 130/143 stopped."""
+    _setup_logging()
+    # Ray reads this when it is imported: without it, identical lines from several ranks are folded
+    # into one "[repeated Nx across cluster]" and per-rank output is lost.
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        if argv and argv[0] in JOB_COMMANDS:
+            from .jobs import main as job_main
+
+            return job_main(argv)
+        if argv and argv[0] == "doctor":
+            from .doctor import main as doctor_main
+
+            return doctor_main(argv[1:])
+        spec = spec_from_args(argv)
+        if spec.check_only:
+            from ..megatron.preflight import preflight
+
+            preflight(spec)
+            return 0
+        from ..driver.launch import launch  # imports ray: after the spec, so --help and bad input stay fast
+
+        result = launch(spec)
+        if spec.dry_run:
+            return _report_dry_run(result.returns, spec.nodes)
+    except RankFailedError as e:
+        print(e.report(), file=sys.stderr, flush=True)
+        return e.exit_code
+    except MegarayError as e:
+        log.error("%s", e)
+        return e.exit_code
+    return 0
+
+
+def _report_dry_run(views: list[dict], nodes: int) -> int:
+    log.info(
+        "dry run passed: %d ranks on %d node(s) joined %s over gloo, all-reduce gave %d on every rank, "
+        "LOCAL_RANK unique per node",
+        len(views),
+        nodes,
+        views[0]["master"],
+        views[0]["all_reduce"],
+    )
+    trained = [v["training"] for v in views if v.get("training") and v["training"]["losses"]]
+    if not trained:
+        from ..megatron.tiny_gpt import choose_layout
+
+        tp, pp, dp = choose_layout(len(views), views[0]["local_world_size"])
+        log.info(
+            "megatron-core is not installed, so no Megatron training ran; with the megatron extra "
+            "(pip install -e '.[megatron]') this dry run would also train a tiny Megatron GPT with "
+            "TP %d x PP %d x DP %d over gloo across the %d ranks and print its loss",
+            tp, pp, dp, len(views),
+        )  # fmt: skip
+        return 0
+    first = trained[0]
+    curve = first["losses"]
+    # The ranks of the last pipeline stage (each TP rank, each DP replica) must report the same
+    # loss: TP ranks compute it together and DP replicas average their gradients every step.
+    for other in trained[1:]:
+        theirs = other["losses"]
+        if len(theirs) != len(curve) or any(
+            abs(a - b) > 1e-3 * abs(a) for a, b in zip(curve, theirs, strict=False)
+        ):
+            log.error("dry run failed: ranks %d and %d disagree on the loss: %s vs %s",
+                      first["rank"], other["rank"], curve, theirs)  # fmt: skip
+            return 1
+    shown = " ".join(f"{x:.2f}" for x in curve[:: max(1, len(curve) // 5)])
+    log.info(
+        "Megatron GPT trained on CPU with TP %d x PP %d x DP %d: loss %.2f -> %.2f over %d steps (%s); "
+        "last-stage ranks agreeing: %d",
+        first["tp"], first["pp"], first["dp"], curve[0], curve[-1], len(curve), shown, len(trained),
+    )  # fmt: skip
+    return 0

@@ -1,0 +1,136 @@
+"""One exception family, so the CLI can map every failure to an exit code and a one-line message.
+
+Bad input and missing resources exit 2 (the user must change a setting); a rank failing exits 1
+(the program failed); an interrupted launch exits 130 (SIGINT) or 143 (SIGTERM), as a shell would.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+
+class MegarayError(Exception):
+    """Base class: `str(err)` is the cause and the setting that fixes it."""
+
+    exit_code = 1
+
+
+class UsageError(MegarayError):
+    """The command line or a data file asks for something impossible or unknown."""
+
+    exit_code = 2
+
+
+class ClusterError(MegarayError):
+    """The Ray cluster cannot be reached, or its nodes disagree with the driver."""
+
+    exit_code = 2
+
+
+class ResourceError(MegarayError):
+    """The cluster does not have (or did not free in time) what the layout asks for."""
+
+    exit_code = 2
+
+
+class Interrupted(MegarayError):
+    """The driver got SIGINT or SIGTERM; every rank was stopped."""
+
+    def __init__(self, signum: int, name: str):
+        super().__init__(f"interrupted by {name}: stopped every rank and removed the placement groups")
+        self.signum, self.name = signum, name
+        self.exit_code = 128 + signum
+
+    def __reduce__(self):
+        return (Interrupted, (self.signum, self.name))
+
+
+@dataclass(frozen=True)
+class RankFailure:
+    """What one rank's failure looked like from the driver."""
+
+    rank: int
+    node_ip: str
+    hostname: str
+    gpu: str
+    kind: (
+        str  # "exception" (raised), "exit" (sys.exit != 0), "died" (process or node gone), "hung", "waiting"
+    )
+    summary: str
+    traceback: str = ""
+    exit_code: int | None = None
+    at: float = 0.0  # wall-clock time of the failure, to pick the root cause across ranks
+
+
+# A dead process, then a stuck one (stopped, in a hang), before ranks that merely raised or waited.
+_ROOT_ORDER = {"died": 0, "hung": 1}
+
+
+class RankFailedError(MegarayError):
+    """One or more ranks failed; the earliest failure is the root cause (as torch elastic reports).
+
+    A rank whose process died comes before ranks that raised: when a process dies its peers fail
+    with connection errors, and those can reach the driver before Ray reports the death.
+    """
+
+    exit_code = 1
+
+    def __init__(self, failures: list[RankFailure], world_size: int, ending: str = ""):
+        self.failures = sorted(failures, key=lambda f: (_ROOT_ORDER.get(f.kind, 2), f.at, f.rank))
+        self.world_size = world_size
+        self.root = self.failures[0]
+        self.ending = ending  # what became of the other ranks, said by whoever handled the failure
+        super().__init__(
+            f"rank {self.root.rank} on {self.root.node_ip} ({self.root.hostname}) failed: {self.root.summary}"
+        )
+
+    def __reduce__(self):  # crosses process boundaries (Ray tasks, multiprocessing) intact
+        return (RankFailedError, (self.failures, self.world_size, self.ending))
+
+    def report(self) -> str:
+        """The block printed at the end of a failed launch: root cause first, with its traceback."""
+        r = self.root
+        line = "=" * 72
+        out = [
+            line,
+            "megaray: launch failed",
+            "Root cause (first failure):",
+            f"  rank      : {r.rank} of {self.world_size}",
+            f"  node      : {r.node_ip} ({r.hostname})",
+            f"  gpu       : {r.gpu or '-'}",
+            f"  what      : {r.summary}",
+        ]
+        if r.exit_code is not None:
+            out.append(f"  exit code : {r.exit_code}")
+        if r.traceback:
+            out.append("  traceback :")
+            out.extend("    " + ln for ln in r.traceback.rstrip().splitlines())
+        others = [f for f in self.failures[1:]]
+        if others:
+            out.append("Other failures:")
+            out.extend(f"  rank {f.rank} on {f.node_ip}: {f.summary}" for f in others)
+        if self.ending:
+            out.append(self.ending)
+        out.append(line)
+        return "\n".join(out)
+
+
+def describe_death(ray_message: str) -> str:
+    """One line for a rank process that died, from Ray's ActorDiedError text.
+
+    Ray's text lists every possible cause of an unexpected exit (OOM killer, `ray stop`, a crash);
+    keep what it knows for sure: its memory monitor, a lost node, or the exit detail.
+    """
+    text = " ".join(ray_message.split())
+    low = text.lower()
+    if "low on memory" in low or "out_of_memory" in low:
+        what = "killed by Ray's memory monitor: the node ran low on memory"
+    elif "node has died" in low or "node died" in low or "node_died" in low or "node was lost" in low:
+        what = "its node was lost"
+    elif "intentionally killed" in low or "ray.kill" in low:
+        what = "its actor was killed (ray.kill or `ray stop`)"
+    else:
+        what = "its process exited unexpectedly (a signal such as SIGKILL, the kernel OOM killer, or a crash)"
+    detail = re.search(r"Worker exit detail: (.*?\.)( |$)", text)
+    return f"{what}; Ray: {detail.group(1)}" if detail else what

@@ -1,0 +1,46 @@
+"""Training progress as data: Megatron's iteration log line parsed, and what the driver knows of the
+training from the config the preflight built (the display is driver/progress_view.py, the rank-side
+`report()` rank/capture.py, FLOPs per token megatron/facts.py)."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+from dataclasses import dataclass
+from typing import Any
+
+# Dense BF16 peak of an H100 SXM (NVIDIA's datasheet gives 1,979 with sparsity): the MFU denominator
+# unless --peak-tflops says otherwise.
+H100_SXM_BF16_TFLOPS = 989.0
+
+_ITERATION = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|")
+_ELAPSED_MS = re.compile(r"elapsed time per iteration \(ms\):\s*([0-9.]+)")
+_GLOBAL_BATCH = re.compile(r"global batch size:\s*(\d+)")
+_LOSS = re.compile(r"\|\s*(lm loss|loss):\s*([-+0-9.eEnaif]+)\s*\|")
+
+
+def parse_megatron_line(line: str) -> dict[str, Any] | None:
+    """Megatron's `iteration N/ M | ... | elapsed time per iteration (ms): T | ... | lm loss: L |`."""
+    it = _ITERATION.search(line)
+    if it is None or "elapsed time per iteration" not in line:
+        return None
+    record: dict[str, Any] = {"iteration": int(it.group(1)), "total": int(it.group(2)), "time": time.time()}
+    if m := _ELAPSED_MS.search(line):
+        record["iter_s"] = float(m.group(1)) / 1000.0
+    if m := _GLOBAL_BATCH.search(line):
+        record["global_batch"] = int(m.group(1))
+    if m := _LOSS.search(line):
+        with contextlib.suppress(ValueError):
+            record["loss"] = float(m.group(2))
+    return record
+
+
+@dataclass(frozen=True)
+class TrainingFacts:
+    """What the driver knows about the training from the config the preflight built."""
+
+    seq_length: int | None = None
+    global_batch: int | None = None
+    train_iters: int | None = None
+    flops_per_token: float | None = None

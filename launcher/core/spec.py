@@ -1,0 +1,275 @@
+"""The launch request: one frozen `LaunchSpec`, built from the command line by `spec_from_args`.
+
+Everything after parsing receives the same spec unchanged, so what was asked is what is recorded
+and what is run. Values are checked in `__post_init__`, whose messages print the numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .args import ArgumentParser
+from .errors import UsageError
+from .progress import H100_SXM_BF16_TFLOPS
+from .rankenv import parse_env_pairs
+from .recipes import check_overrides, load_recipe
+from .target import DRY_RUN_TARGET, Target, TargetKind, parse_dry_run_options
+from .topology import parse_rank_list
+
+DEFAULT_PLACEMENT_TIMEOUT_S = 120.0
+# Well under NCCL's 10-minute collective timeout, so a hang is reported (with stacks) by megaray
+# first; long enough for checkpoint saves and data-index builds that print nothing.
+DEFAULT_HANG_TIMEOUT_S = 300.0
+_JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+
+
+@dataclass(frozen=True)
+class LaunchSpec:
+    nodes: int
+    gpus_per_node: int
+    target: Target
+    device: str = "gpu"  # "gpu": one GPU bundle per rank; "cpu": CPU bundles only
+    dry_run: bool = False
+    cpus_per_rank: float = 1.0
+    address: str | None = None  # None: RAY_ADDRESS, else a local Ray (simulated nodes for --dry-run)
+    job_name: str = ""
+    placement_timeout_s: float = DEFAULT_PLACEMENT_TIMEOUT_S
+    master_port: int | None = None
+    env_profile: str | None = None
+    env: tuple[tuple[str, str], ...] = ()
+    cwd: str = field(default_factory=os.getcwd)
+    check_only: bool = False  # --check: validate the Megatron layout in the driver, then exit
+    log_ranks: str = "0"  # ranks whose output the console shows ("all", or "0,3,8-11")
+    runs_dir: str = "runs"  # run directories go to <runs_dir>/<job_name>, relative to cwd
+    peak_tflops: float = H100_SXM_BF16_TFLOPS  # per GPU, the denominator of MFU
+    max_restarts: int = 0  # relaunches of the whole group after a failure, as torchrun --max-restarts
+    hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S  # no rank output or progress this long: a hang; 0: off
+    spares: bool = True  # with restarts left, warm spare actors wait in the bundles (spares.py)
+
+    def __post_init__(self):
+        if self.nodes < 1:
+            raise ValueError(f"--nodes must be at least 1, got {self.nodes}")
+        if self.gpus_per_node < 1:
+            raise ValueError(f"--gpus-per-node must be at least 1, got {self.gpus_per_node}")
+        if self.device not in ("gpu", "cpu"):
+            raise ValueError(f"--device must be gpu or cpu, got {self.device!r}")
+        if self.cpus_per_rank < 0 or (self.device == "cpu" and self.cpus_per_rank == 0):
+            raise ValueError(
+                f"--cpus-per-rank must be {'above' if self.device == 'cpu' else 'at least'} 0 "
+                f"with --device {self.device}, got {self.cpus_per_rank}"
+            )
+        if self.placement_timeout_s <= 0:
+            raise ValueError(f"--placement-timeout must be above 0 seconds, got {self.placement_timeout_s}")
+        if self.master_port is not None and not 1 <= self.master_port <= 65535:
+            raise ValueError(f"--master-port must be within 1-65535, got {self.master_port}")
+        if not _JOB_NAME.match(self.job_name):
+            raise ValueError(
+                f"--job-name {self.job_name!r} must be 1-63 letters, digits, '.', '_' or '-', "
+                "starting with a letter or digit"
+            )
+        if self.check_only and self.target.kind is not TargetKind.MEGATRON:
+            raise ValueError("--check validates a Megatron layout: give it with --recipe")
+        parse_rank_list(self.log_ranks, self.world_size)
+        if self.max_restarts < 0:
+            raise ValueError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
+        if self.hang_timeout_s < 0:
+            raise ValueError(f"--hang-timeout must be 0 (off) or more seconds, got {self.hang_timeout_s}")
+        if self.peak_tflops <= 0:
+            raise ValueError(f"--peak-tflops must be above 0, got {self.peak_tflops}")
+        if self.dry_run != (self.target.kind is TargetKind.DRYRUN):
+            raise ValueError(
+                "--dry-run runs the built-in check: drop the script or --entrypoint, or --dry-run"
+            )
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.gpus_per_node
+
+    @property
+    def uses_gpus(self) -> bool:
+        return self.device == "gpu"
+
+    @property
+    def console_ranks(self) -> frozenset[int]:
+        return parse_rank_list(self.log_ranks, self.world_size)
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.cwd) / self.runs_dir / self.job_name
+
+    @property
+    def env_overrides(self) -> dict[str, str]:
+        return dict(self.env)
+
+
+def default_job_name() -> str:
+    return f"megaray-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = ArgumentParser(
+        prog="megaray",
+        description="Launch a torchrun-style program on a Ray cluster: one placement group per node, "
+        "one actor per rank, the torchrun env contract in each.",
+        epilog="As a Ray job on a shared cluster: megaray submit [...] -- <these arguments>; then "
+        "megaray status|logs|stop JOB and megaray list. Check a cluster: megaray doctor. Each has --help.",
+    )
+    p.add_argument("--nodes", type=int, default=1, help="number of nodes (one placement group each)")
+    p.add_argument(
+        "--gpus-per-node",
+        "--nproc-per-node",
+        dest="gpus_per_node",
+        type=int,
+        default=1,
+        help="ranks per node; each rank gets one GPU (or one CPU bundle with --device cpu)",
+    )
+    p.add_argument("--device", choices=("gpu", "cpu"), default="gpu", help="gpu (default) or cpu bundles")
+    p.add_argument(
+        "--cpus-per-rank", type=float, default=1.0, help="CPUs reserved per rank in its bundle (default 1)"
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="run a gloo init/all-reduce/barrier check on every rank instead of a program; with no "
+        "cluster address, the nodes are simulated on this machine",
+    )
+    p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
+    p.add_argument("--job-name", help="name for the placement groups and actors (default: generated)")
+    p.add_argument(
+        "--placement-timeout",
+        type=float,
+        default=DEFAULT_PLACEMENT_TIMEOUT_S,
+        help=f"seconds to wait for the cluster to fit the layout (default {DEFAULT_PLACEMENT_TIMEOUT_S:g})",
+    )
+    p.add_argument(
+        "--master-port", type=int, help="rendezvous port (default: a free port on the master node)"
+    )
+    p.add_argument("--env-profile", help="network/NCCL env profile: a name under env/ or a YAML path")
+    p.add_argument(
+        "--env", action="append", default=[], metavar="KEY=VALUE", help="set a variable in every rank"
+    )
+    p.add_argument("--entrypoint", metavar="PKG.MODULE:FUNCTION", help="call this function on every rank")
+    p.add_argument("-m", "--module", help="run a module as `python -m MODULE` on every rank")
+    p.add_argument(
+        "--recipe",
+        help="run Megatron-Bridge pretrain() with this recipe (a name under recipes/ or a YAML path); "
+        "trailing key=value arguments override it",
+    )
+    p.add_argument("--hf-path", help="HF model id or local folder to read the model config from")
+    p.add_argument(
+        "--check", action="store_true", help="build the recipe's config here and check its layout, then exit"
+    )
+    p.add_argument(
+        "--log-ranks",
+        default="0",
+        metavar="all|0,3,8-11",
+        help="ranks whose output the console shows, prefixed [r<rank> n<node>] (default 0); every rank's "
+        "output goes to <runs-dir>/<job>/rank-<r>.log",
+    )
+    p.add_argument("--runs-dir", default="runs", help="where run directories go (default ./runs)")
+    p.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=H100_SXM_BF16_TFLOPS,
+        help=f"peak TFLOP/s per GPU for MFU (default {H100_SXM_BF16_TFLOPS:g}: H100 SXM, dense BF16)",
+    )
+    p.add_argument(
+        "--max-restarts",
+        type=int,
+        default=0,
+        help="after a rank or node failure or a hang, relaunch the whole group up to N times (Megatron "
+        "recipes resume from their last checkpoint)",
+    )
+    p.add_argument(
+        "--hang-timeout",
+        type=float,
+        default=DEFAULT_HANG_TIMEOUT_S,
+        help=f"seconds without output or progress from any rank before the job counts as hung; its stacks "
+        f"are printed (default {DEFAULT_HANG_TIMEOUT_S:g}; 0 turns it off)",
+    )
+    p.add_argument(
+        "--spares",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="with --max-restarts, keep a warm spare process per rank (torch and Megatron imported, in "
+        "the rank's bundle, no resources of its own) so that a restart skips start-up; --no-spares saves "
+        "their host memory (default on)",
+    )
+    p.add_argument("target", nargs="?", help="script to run on every rank, as torchrun runs it")
+    p.add_argument("target_args", nargs=argparse.REMAINDER, help="arguments for the script or function")
+    return p
+
+
+def spec_from_args(
+    argv: list[str], environ: Mapping[str, str] | None = None, cwd: str | None = None
+) -> LaunchSpec:
+    """Parse the command line into a LaunchSpec; bad input raises UsageError (exit 2)."""
+    environ = os.environ if environ is None else environ
+    args = build_parser().parse_args(argv)
+    given = [
+        f for f, v in (("--entrypoint", args.entrypoint), ("-m", args.module), ("--recipe", args.recipe)) if v
+    ]
+    if len(given) > 1:
+        raise UsageError(f"give one target: {' or '.join(given)}, not several")
+    try:
+        if args.dry_run and not given and all("=" in a for a in _script_args(args)):
+            options = tuple(_script_args(args))
+            parse_dry_run_options(options)
+            target = Target(DRY_RUN_TARGET.kind, DRY_RUN_TARGET.name, options)
+        elif args.recipe:
+            overrides = _script_args(args)
+            check_overrides(overrides)
+            target = Target(
+                TargetKind.MEGATRON, args.recipe, tuple(overrides), load_recipe(args.recipe), args.hf_path
+            )
+        elif args.entrypoint:
+            target = Target(TargetKind.ENTRYPOINT, args.entrypoint, tuple(_script_args(args)))
+        elif args.module:
+            target = Target(TargetKind.MODULE, args.module, tuple(_script_args(args)))
+        elif args.target:
+            target = Target(TargetKind.SCRIPT, args.target, tuple(args.target_args))
+        else:
+            raise UsageError(
+                "nothing to run: give --recipe NAME, a script, --entrypoint pkg.module:function, -m module, "
+                "or --dry-run"
+            )
+        env = parse_env_pairs(args.env)
+        return LaunchSpec(
+            nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            target=target,
+            device=args.device,
+            dry_run=args.dry_run,
+            cpus_per_rank=args.cpus_per_rank,
+            address=args.address or environ.get("RAY_ADDRESS") or None,
+            job_name=args.job_name or default_job_name(),
+            placement_timeout_s=args.placement_timeout,
+            master_port=args.master_port,
+            env_profile=args.env_profile,
+            env=tuple(env.items()),
+            cwd=cwd or os.getcwd(),
+            check_only=args.check,
+            log_ranks=args.log_ranks,
+            runs_dir=args.runs_dir,
+            peak_tflops=args.peak_tflops,
+            max_restarts=args.max_restarts,
+            hang_timeout_s=args.hang_timeout,
+            spares=args.spares,
+        )
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def _script_args(args: argparse.Namespace) -> list[str]:
+    """With --entrypoint or -m, everything positional is the function's or module's arguments."""
+    rest = ([args.target] if args.target else []) + list(args.target_args)
+    if rest and rest[0] == "--":
+        rest = rest[1:]
+    return rest

@@ -1,0 +1,148 @@
+"""What every rank runs, and the checks the driver can make on it before anything is placed.
+
+A target is a script (`python script.py args`, as torchrun runs it), a module (`python -m`), a
+`pkg.module:function` entrypoint, a Megatron-Bridge recipe (its `args` are the overrides), the
+built-in dry run, or a rank group's functions (called from the driver's process).
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+import re
+import sys
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+from .errors import UsageError
+from .recipes import Recipe
+from .refs import FUNCTION_REF, split_ref
+
+_MODULE = re.compile(r"^[A-Za-z_][\w.]*$")
+
+
+class TargetKind(StrEnum):
+    SCRIPT = "script"
+    MODULE = "module"
+    ENTRYPOINT = "entrypoint"
+    MEGATRON = "megatron"
+    DRYRUN = "dryrun"
+    GROUP = "group"
+
+
+@dataclass(frozen=True)
+class Target:
+    kind: TargetKind
+    name: str
+    args: tuple[str, ...] = ()
+    recipe: Recipe | None = None
+    hf_path: str | None = None
+
+    def __post_init__(self):
+        try:
+            object.__setattr__(self, "kind", TargetKind(self.kind))
+        except ValueError:
+            raise ValueError(f"unknown target kind {self.kind!r}") from None
+        if self.kind is TargetKind.ENTRYPOINT and not FUNCTION_REF.match(self.name):
+            raise ValueError(f"--entrypoint {self.name!r} is not of the form pkg.module:function")
+        if self.kind is TargetKind.MODULE and not _MODULE.match(self.name):
+            raise ValueError(f"-m {self.name!r} is not a module name such as pkg.train")
+
+    def describe(self) -> str:
+        shown = {
+            TargetKind.SCRIPT: self.name,
+            TargetKind.MODULE: f"-m {self.name}",
+            TargetKind.ENTRYPOINT: self.name,
+            TargetKind.MEGATRON: f"Megatron-Bridge pretrain(), recipe {self.name}",
+            TargetKind.DRYRUN: "dry run (rendezvous check, then a tiny Megatron GPT where megatron-core is "
+            "installed)",
+            TargetKind.GROUP: "rank group (functions called from this process)",
+        }
+        return " ".join([shown[self.kind], *self.args])
+
+
+DRY_RUN_TARGET = Target(TargetKind.DRYRUN, "launcher.megatron.dryrun:check_and_train")
+GROUP_TARGET = Target(TargetKind.GROUP, "rank group")
+
+DRY_RUN_OPTIONS = {"steps": int, "save": str, "save_every": int}
+
+
+def parse_dry_run_options(args: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    """`--dry-run steps=40 save=DIR save_every=5`: the tiny trainer's length and checkpoints."""
+    options: dict[str, Any] = {}
+    for item in args:
+        key, sep, value = item.partition("=")
+        if not sep or key not in DRY_RUN_OPTIONS:
+            raise ValueError(
+                f"--dry-run takes {', '.join(k + '=' for k in DRY_RUN_OPTIONS)} options, got {item!r}"
+            )
+        try:
+            options[key] = DRY_RUN_OPTIONS[key](value)
+        except ValueError:
+            raise ValueError(f"--dry-run {item!r}: {key} must be {DRY_RUN_OPTIONS[key].__name__}") from None
+        if DRY_RUN_OPTIONS[key] is int and options[key] < 1:
+            raise ValueError(f"--dry-run {item!r}: {key} must be at least 1")
+    return options
+
+
+def check_target_locally(target: Target, cwd: str) -> None:
+    """Catch a missing script or entrypoint in the driver, before anything is placed.
+
+    The entrypoint's module is located and parsed, not imported: importing user code in the driver
+    could import torch or start work there.
+    """
+    if target.kind is TargetKind.SCRIPT:
+        path = os.path.join(cwd, target.name)
+        if not os.path.isfile(path):
+            raise UsageError(
+                f"script {target.name} not found (looked in {cwd}); give the path of a Python file"
+            )
+        return
+    if target.kind not in (TargetKind.MODULE, TargetKind.ENTRYPOINT):
+        return
+    module_name, func_name = split_ref(target.name)
+    sys.path.insert(0, cwd)
+    try:
+        found = importlib.util.find_spec(module_name)
+    except (ImportError, ValueError):
+        found = None
+    finally:
+        sys.path.remove(cwd)
+    flag = "--entrypoint" if target.kind is TargetKind.ENTRYPOINT else "-m"
+    if found is None:
+        raise UsageError(
+            f"{flag} {target.name}: no module named {module_name} in {cwd} or the installed packages; "
+            "check the spelling or install the package"
+        )
+    if target.kind is TargetKind.ENTRYPOINT and found.origin and found.origin.endswith(".py"):
+        names = _top_level_names(found.origin)
+        if names is not None and func_name not in names:
+            raise UsageError(
+                f"--entrypoint {target.name}: {module_name} ({found.origin}) defines no {func_name}; "
+                "name a function defined at the top level of that module"
+            )
+
+
+def _top_level_names(path: str) -> set[str] | None:
+    """Names bound at module level, or None when they cannot be known statically (star imports)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), filename=path)
+    except (OSError, SyntaxError, ValueError):
+        return None
+    names: set[str] = set()
+    for node in ast.walk(tree):  # nested names count too: a superset never rejects a real function
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
+            for alias in node.names:
+                if alias.name == "*":
+                    return None
+                names.add((alias.asname or alias.name).split(".")[0])
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+    if "__getattr__" in names:  # a module-level __getattr__ can provide any name
+        return None
+    return names

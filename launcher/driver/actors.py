@@ -1,0 +1,64 @@
+"""Starting and stopping Ray actors and tasks the way every part of the driver needs them: a rank's
+actor in its bundle, a helper pinned to one node, and kills that never raise."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from .cluster import NAMESPACE
+from .supervise import StopSignal
+
+
+def start_rank_actor(
+    name: str, group: Any, bundle: int, *, job: str, rank: int, node_ip: str, num_cpus: float, num_gpus: float
+) -> Any:
+    """One RankActor in bundle `bundle` of placement group `group`, named for `ray list actors`."""
+    from ..rank.actor import RankActor
+
+    return (
+        ray.remote(RankActor)
+        .options(
+            name=name,
+            namespace=NAMESPACE,
+            num_cpus=num_cpus,
+            num_gpus=num_gpus,
+            max_restarts=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
+        )
+        .remote(job, rank, node_ip)
+    )
+
+
+def on_node(node_id: str) -> dict[str, Any]:
+    """Options for a helper (a task or actor) that must run on `node_id` and reserve nothing there."""
+    return {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+
+
+def kill_actors(actors: Iterable[Any]) -> None:
+    for a in actors:
+        with contextlib.suppress(Exception):  # already dead, or the cluster is gone
+            ray.kill(a, no_restart=True)
+
+
+def wait_all(refs: list, timeout_s: float, stop: StopSignal) -> list:
+    """`ray.wait` for all refs, in slices so a stop signal is seen quickly; returns the ready ones."""
+    want = len(refs)
+    deadline = time.monotonic() + timeout_s
+    ready: list = []
+    while True:
+        stop.check()
+        left = deadline - time.monotonic()
+        if len(ready) >= want or left <= 0:
+            return ready
+        ready, _ = ray.wait(refs, num_returns=want, timeout=min(left, 0.25))
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__

@@ -1,0 +1,152 @@
+"""Getting a Ray cluster: attach to one, start a local one, or simulate several nodes for a dry run."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from ..core.errors import ClusterError
+from ..core.spec import LaunchSpec
+from ..core.topology import RankReport
+from ..core.versions import python_version
+
+log = logging.getLogger("megaray")
+NAMESPACE = "megaray"
+
+
+@dataclass
+class Cluster:
+    """The cluster a launch runs on. `fixed_size` is True for clusters this process started: no
+    autoscaler can add nodes to them, so a layout that does not fit fails at once instead of waiting."""
+
+    address: str
+    fixed_size: bool
+
+
+def _reachable(address: str, timeout_s: float = 5.0) -> None:
+    """Fail in seconds, not after Ray's long retry loop, when a host:port address does not answer."""
+    if address in ("auto", "local") or "://" in address:
+        return
+    host, sep, port = address.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ClusterError(f"Ray address {address!r} is not HOST:PORT; fix --address or RAY_ADDRESS")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
+            pass
+    except OSError as e:
+        raise ClusterError(
+            f"cannot reach a Ray cluster at {address} ({e.strerror or e}); start one with "
+            "`ray start --head` or fix --address / RAY_ADDRESS"
+        ) from None
+
+
+_AUTH_HINT = (
+    "uses token authentication and this process sent no valid token: set RAY_AUTH_MODE=token, and "
+    "RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) unless ~/.ray/auth_token holds the token that "
+    "`ray get-auth-token` prints on the head (Ray 2.60 does not turn token mode on for an explicit address)"
+)
+
+
+def _caused_by_auth(e: BaseException | None) -> bool:
+    """Ray wraps a rejected token in connection errors: look down the chain."""
+    while e is not None:
+        if type(e).__name__ == "AuthenticationError" or "InvalidAuthToken" in str(e):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _init(**kwargs: Any) -> None:
+    from ray.exceptions import AuthenticationError
+
+    address = kwargs.get("address")
+    try:
+        ray.init(namespace=NAMESPACE, log_to_driver=True, logging_level=logging.WARNING, **kwargs)
+    except (AuthenticationError, ConnectionError, RuntimeError) as e:
+        if _caused_by_auth(e):
+            raise ClusterError(f"the Ray cluster at {address} {_AUTH_HINT}") from None
+        if isinstance(e, ConnectionError):
+            raise ClusterError(
+                f"cannot connect to Ray at {address}: {str(e).splitlines()[0]}; fix --address or RAY_ADDRESS"
+            ) from None
+        if "version mismatch" in str(e).lower():
+            raise ClusterError(
+                f"{str(e).splitlines()[0]}; install the cluster's Ray and Python versions in the driver"
+            ) from None
+        raise
+
+
+@contextlib.contextmanager
+def connect(spec: LaunchSpec) -> Iterator[Cluster]:
+    """Yield a connected cluster; disconnect (and stop what we started) afterwards.
+
+    An existing connection in this process (tests, notebooks) is used as it is and kept.
+    """
+    if ray.is_initialized():
+        ctx = ray.get_runtime_context()
+        yield Cluster(address=ctx.gcs_address, fixed_size=False)
+        return
+    sim = None
+    try:
+        if spec.address:
+            _reachable(spec.address)
+            _init(address=spec.address)
+            cluster = Cluster(address=spec.address, fixed_size=False)
+        elif spec.dry_run:
+            sim = _simulate(spec)
+            _init(address=sim.address)
+            cluster = Cluster(address=sim.address, fixed_size=True)
+        else:
+            # "local": a private Ray for this run, even when `ray start` left one on this machine
+            log.info("starting a local Ray for this run (attach to a running cluster with --address)")
+            _init(address="local", include_dashboard=False)
+            cluster = Cluster(address=ray.get_runtime_context().gcs_address, fixed_size=True)
+        yield cluster
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        if sim is not None:
+            sim.shutdown()
+
+
+def _simulate(spec: LaunchSpec):
+    """N local raylets with declared GPUs: the whole multi-node path on one machine."""
+    from ray.cluster_utils import Cluster as RayCluster
+
+    per_node = {
+        "num_cpus": max(1, int(spec.cpus_per_rank * spec.gpus_per_node + 0.999)),
+        "num_gpus": spec.gpus_per_node if spec.uses_gpus else 0,
+    }
+    log.info(
+        "simulating %d node(s) x %d %s on this machine",
+        spec.nodes,
+        spec.gpus_per_node,
+        "declared GPUs" if spec.uses_gpus else "CPU ranks",
+    )
+    sim = RayCluster(initialize_head=True, head_node_args={**per_node, "include_dashboard": False})
+    for _ in range(spec.nodes - 1):
+        sim.add_node(**per_node)
+    sim.wait_for_nodes()
+    return sim
+
+
+def check_versions(reports: list[RankReport]) -> None:
+    """Every rank's node must run the driver's Ray and Python (pickled code and wire formats differ)."""
+    want = (ray.__version__, python_version())
+    bad = {}
+    for r in reports:
+        got = (r.ray_version, r.python_version)
+        if got != want:
+            bad[f"{r.node_ip} ({r.hostname})"] = got
+    if bad:
+        nodes = "; ".join(f"{n}: Ray {r}, Python {p}" for n, (r, p) in sorted(bad.items()))
+        raise ClusterError(
+            f"node versions differ from the driver's (Ray {want[0]}, Python {want[1]}): {nodes}; "
+            "install the same Ray and Python on every node and the driver"
+        )

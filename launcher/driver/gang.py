@@ -1,0 +1,342 @@
+"""The ranks of one launch attempt (or of a rank group), as one object: their placement groups, one
+actor per rank, the rendezvous port and each rank's env, run and watched together, torn down together.
+
+The order of a start is fixed: place (or take over warm spares, or share a host gang's bundles),
+start the actors, probe and reserve MASTER_PORT on the master node, decide every rank's env (pure,
+core/rankenv.py) and apply it in each actor before the target imports anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+
+from ..core.errors import ClusterError, RankFailure, ResourceError, UsageError, describe_death
+from ..core.rankenv import EnvDecision, decide_envs, redact
+from ..core.spec import LaunchSpec
+from ..core.target import Target
+from ..core.topology import (
+    RankReport,
+    RankSlot,
+    assign_ranks,
+    format_rank_ranges,
+    format_table,
+    order_nodes,
+)
+from . import placement, ports
+from .actors import first_line, kill_actors, on_node, start_rank_actor, wait_all
+from .cluster import check_versions
+from .spares import SparePool, SparesUnusable
+from .supervise import StopSignal
+
+log = logging.getLogger("megaray")
+
+ACTOR_START_TIMEOUT_S = 300.0  # covers runtime-env set-up and image pulls on first use of a node
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where a rank ran, as `LaunchResult.ranks` and `topology.json` show it."""
+
+    rank: int
+    local_rank: int
+    node_rank: int
+    node_ip: str
+    hostname: str
+    gpu: str
+    pid: int
+
+
+@dataclass(frozen=True)
+class RankHandle:
+    """Everything the driver knows about one rank: its slot, its actor, what the actor reported, the
+    env it was given, and the process it replaced (a warm spare taking over)."""
+
+    slot: RankSlot
+    actor: Any
+    report: RankReport
+    env: EnvDecision
+    replaces_pid: int | None = None
+
+    @property
+    def info(self) -> RankInfo:
+        s, r = self.slot, self.report
+        return RankInfo(s.rank, s.local_rank, s.node_rank, s.node_ip, r.hostname, ",".join(r.gpu_ids), r.pid)
+
+
+class RankGang:
+    """Start with `place()` then `start()`; run with `run()` or `call()`; end with `teardown()`.
+
+    `gpu_share` is the part of each rank's GPU and CPUs this gang's actors take; a gang created with
+    `host=` another shares that gang's bundles, rank for rank (colocated rank groups).
+    """
+
+    def __init__(
+        self,
+        spec: LaunchSpec,
+        stop: StopSignal,
+        *,
+        profile: dict[str, str],
+        name: str,
+        attempt: int = 0,
+        fixed_size: bool = False,
+        gpu_share: float = 1.0,
+        host: RankGang | None = None,
+    ):
+        self.spec, self.stop, self.profile = spec, stop, profile
+        self.name, self.attempt, self.fixed_size = name, attempt, fixed_size
+        self.gpu_share, self.host = gpu_share, host
+        self.groups: list = []
+        self.slots: list[RankSlot] = []
+        self.actors: list = []
+        self.reports: list[RankReport] = []
+        self.replaced_pids: list[int | None] = [None] * spec.world_size
+        self.adopted = False  # the actors are the previous attempt's warm spares
+        self.handles: tuple[RankHandle, ...] = ()
+        self.master: tuple[str, int] = ("", 0)
+        self.port_reserved: tuple[str, int] | None = None
+        self.t0 = time.monotonic()
+        self.timings: dict[str, float] = {}
+
+    @property
+    def world_size(self) -> int:
+        return self.spec.world_size
+
+    @property
+    def ranks(self) -> tuple[RankInfo, ...]:
+        return tuple(h.info for h in self.handles)
+
+    def mark(self, phase: str) -> None:
+        self.timings[phase] = round(time.monotonic() - self.t0, 3)
+
+    # -- start ------------------------------------------------------------------------------------
+    def place(self, spares: SparePool | None = None) -> None:
+        """A placement group per node: the spares' own when they can take over, the host gang's when
+        colocated, else new ones, all requested at once and waited for up to --placement-timeout."""
+        spec = self.spec
+        log.info(
+            "job %s: %d node(s) x %d rank(s) = %d, target: %s",
+            spec.job_name, spec.nodes, spec.gpus_per_node, spec.world_size, spec.target.describe(),
+        )  # fmt: skip
+        if (spares is not None and self._adopt(spares)) or self._share_host():
+            self.mark("placed")
+            return
+        problem = placement.feasibility_problem(spec)
+        if problem and self.fixed_size:
+            raise placement.resource_error(spec, 0, problem, placement.describe_nodes(), can_grow=False)
+        if problem:
+            log.warning("%s; waiting up to %gs for more nodes", problem, spec.placement_timeout_s)
+        before = placement.describe_nodes()  # what others left free, for the message if we time out
+        self.groups = placement.create_groups(spec, self.name)
+        placed = len(wait_all([g.ready() for g in self.groups], spec.placement_timeout_s, self.stop))
+        if placed < len(self.groups):
+            why = f"not placed within {spec.placement_timeout_s:g}s"
+            raise placement.resource_error(
+                spec, placed, f"{problem}; {why}" if problem else why, before, can_grow=not self.fixed_size
+            )
+        self.mark("placed")
+        self.slots = assign_ranks(order_nodes(placement.resolve_nodes(self.groups)), spec.gpus_per_node)
+
+    def _adopt(self, spares: SparePool) -> bool:
+        try:
+            self.reports = spares.take_over(self.stop)
+        except SparesUnusable as e:
+            log.warning("the warm spares cannot take over (%s): placing every rank anew", e)
+            spares.discard(groups=True)
+            return False
+        self.groups, self.slots, self.actors = spares.groups, spares.slots, list(spares.actors)
+        self.replaced_pids = list(spares.replaces_pids)
+        self.adopted = True
+        return True
+
+    def _share_host(self) -> bool:
+        if self.host is None:
+            return False
+        self.groups, self.slots = self.host.groups, self.host.slots
+        return True
+
+    def start(self, sink: Any = None) -> list[dict[str, str]]:
+        """Actors (unless adopted), port, env; rank output goes to `sink` when given. Returns the
+        whole environment each rank's process then has, by rank."""
+        if not self.adopted:
+            self.actors, self.reports = self._start_actors()
+        self.mark("actors_ready")
+        check_versions(self.reports)
+        master = (self.slots[0].node_ip, self._choose_port(self.slots[0].node_ip))
+        decisions = self._decide_envs(master)
+        envs = ray.get(
+            [
+                a.setup.remote(d.to_set, sink, r.gpu_ids if self.adopted else None, old)
+                for a, d, r, old in zip(self.actors, decisions, self.reports, self.replaced_pids, strict=True)
+            ]
+        )
+        self.mark("env_set")
+        self.master = master
+        self.handles = tuple(
+            RankHandle(s, a, r, d, old)
+            for s, a, r, d, old in zip(
+                self.slots, self.actors, self.reports, decisions, self.replaced_pids, strict=True
+            )
+        )
+        log_topology(self.ranks, self.master)
+        log_env(self.handles)
+        return envs
+
+    def _start_actors(self) -> tuple[list, list[RankReport]]:
+        """One actor per rank in its bundle, and what each reports once its process is up (a node
+        that cannot start it, or runs another Ray or Python, fails here rather than at rendezvous)."""
+        spec = self.spec
+        actors = [
+            start_rank_actor(
+                f"{self.name}-rank{s.rank}", self.groups[s.group], s.bundle, job=spec.job_name, rank=s.rank,
+                node_ip=s.node_ip, num_cpus=spec.cpus_per_rank * self.gpu_share,
+                num_gpus=self.gpu_share if spec.uses_gpus else 0,
+            )
+            for s in self.slots
+        ]  # fmt: skip
+        self.actors = actors  # so that a teardown during the wait kills them
+        refs = [a.info.remote() for a in actors]
+        ready = wait_all(refs, ACTOR_START_TIMEOUT_S, self.stop)
+        if len(ready) < len(refs):
+            raise ResourceError(
+                f"{len(refs) - len(ready)} of {len(refs)} rank actors did not start within "
+                f"{ACTOR_START_TIMEOUT_S:g}s (runtime environment set-up?); check `ray status` and the "
+                "raylet logs of their nodes"
+            )
+        try:
+            return actors, ray.get(refs)
+        except ray.exceptions.RayActorError as e:
+            raise ClusterError(
+                f"a rank actor failed to start: {first_line(e)}; is megaray installed on every node "
+                "with the driver's Python?"
+            ) from None
+
+    def _choose_port(self, master_addr: str) -> int:
+        """A port free on the master node (probed there by rank 0), reserved cluster-wide."""
+        spec = self.spec
+        found = ray.get(self.actors[0].free_ports.remote(spec.job_name, 16, spec.master_port))
+        if spec.master_port is not None and not found:
+            raise UsageError(
+                f"--master-port {spec.master_port} is in use on the master node {master_addr}; choose "
+                "another port or leave --master-port out to pick a free one"
+            )
+        port = ports.reserve(master_addr, found, self.name)
+        if port is not None:
+            self.port_reserved = (master_addr, port)  # ours to release at teardown
+            return port
+        if spec.master_port is not None:
+            return spec.master_port  # asked for explicitly: another job's reservation does not bind it
+        raise ResourceError(f"no free port for MASTER_PORT on {master_addr}; pass --master-port")
+
+    def _decide_envs(self, master: tuple[str, int]) -> list[EnvDecision]:
+        spec = self.spec
+        return decide_envs(
+            self.slots,
+            [r.gpu_ids for r in self.reports],
+            [r.inherited_env for r in self.reports],
+            world_size=spec.world_size,
+            local_world_size=spec.gpus_per_node,
+            num_nodes=spec.nodes,
+            master_addr=master[0],
+            master_port=master[1],
+            run_id=spec.job_name,
+            restart_count=self.attempt,
+            max_restarts=spec.max_restarts,
+            profile=self.profile,
+            profile_name=spec.env_profile,
+            overrides=spec.env_overrides,
+        )
+
+    # -- run and watch (the gang side of supervise.py) ---------------------------------------------
+    def run(self, target: Target, cwd: str) -> list:
+        return [a.run.remote(target, cwd) for a in self.actors]
+
+    def call(self, fn: Any, per_rank_args: list[tuple], kwargs: dict) -> list:
+        return [a.call.remote(fn, args, kwargs) for a, args in zip(self.actors, per_rank_args, strict=True)]
+
+    def wait(self, refs: list, num_returns: int, timeout_s: float) -> tuple[list, list]:
+        return ray.wait(refs, num_returns=num_returns, timeout=timeout_s)
+
+    def outcome(self, ref: Any, rank: int) -> tuple[bool, Any]:
+        """(True, what the rank returned) or (False, its RankFailure)."""
+        h = self.handles[rank]
+        where = {"rank": rank, "node_ip": h.slot.node_ip, "hostname": h.report.hostname, "gpu": h.info.gpu}
+        try:
+            out = ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            summary = f"{describe_death(str(e))} (pid {h.report.pid})"
+            return False, RankFailure(**where, kind="died", summary=summary, at=time.time())
+        except ray.exceptions.RayError as e:
+            return False, RankFailure(
+                **where, kind="exception", summary=first_line(e), traceback=str(e), at=time.time()
+            )
+        if out["ok"]:
+            return True, out["value"]
+        return False, RankFailure(
+            **where, kind=out["kind"], summary=out["summary"], traceback=out["traceback"],
+            exit_code=out["exit_code"], at=out["at"],
+        )  # fmt: skip
+
+    def inspect_hang(self, idle_s: float) -> list[RankFailure]:
+        """Every rank's state and stack, read by a task on its node; one failure per rank."""
+        from ..core.hang import hang_failures
+        from ..rank.probes import inspect_processes
+
+        log.error("no output or progress from any rank for %.0fs: reading every rank's stack", idle_s)
+        by_node: dict[str, list[int]] = {}
+        for h in self.handles:
+            by_node.setdefault(h.report.node_id, []).append(h.slot.rank)
+        task = ray.remote(inspect_processes)
+        refs = {
+            node: task.options(**on_node(node)).remote([self.handles[r].report.pid for r in ranks])
+            for node, ranks in by_node.items()
+        }
+        seen: dict[int, dict[str, Any]] = {}
+        for node, ref in refs.items():
+            try:
+                for r, found in zip(by_node[node], ray.get(ref, timeout=60), strict=True):
+                    seen[r] = found
+            except ray.exceptions.RayError as e:
+                log.warning("could not inspect the ranks on node %s: %s", node[:8], first_line(e))
+        for r in sorted(seen):
+            if seen[r].get("stack"):
+                log.error("stack of rank %d (pid %s):\n%s", r, seen[r]["pid"], seen[r]["stack"].rstrip())
+        return hang_failures(idle_s, [dataclasses.asdict(i) for i in self.ranks], seen)
+
+    # -- end --------------------------------------------------------------------------------------
+    def teardown(self, *, keep_groups: bool = False) -> None:
+        """Kill every rank; remove the groups unless they are kept (handed over with warm spares) or
+        belong to the host gang; release the port."""
+        kill_actors(self.actors)
+        if self.host is None and not keep_groups:
+            placement.remove_groups(self.groups)
+        if self.port_reserved:
+            ports.release(*self.port_reserved)
+            self.port_reserved = None
+        self.mark("torn_down")
+
+
+def log_topology(ranks: tuple[RankInfo, ...], master: tuple[str, int]) -> None:
+    rows = [("rank", "node", "ip", "host", "local_rank", "gpu", "pid")]
+    rows += [
+        (str(r.rank), str(r.node_rank), r.node_ip, r.hostname, str(r.local_rank), r.gpu or "-", str(r.pid))
+        for r in ranks
+    ]
+    log.info("topology (MASTER_ADDR=%s MASTER_PORT=%d):\n%s", *master, format_table(rows, "  "))
+
+
+def log_env(handles: tuple[RankHandle, ...]) -> None:
+    """Rank 0's env, then each note about a node value that was changed, with the ranks it concerns."""
+    first = handles[0].env.to_set
+    log.info("env of rank 0: %s", " ".join(f"{k}={v}" for k, v in sorted(redact(first).items())))
+    notes: dict[str, list[int]] = {}
+    for h in handles:
+        for note in h.env.notes:
+            notes.setdefault(note, []).append(h.slot.rank)
+    for note, ranks in notes.items():
+        log.warning("env on rank(s) %s: %s", format_rank_ranges(ranks), note)

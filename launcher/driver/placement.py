@@ -1,0 +1,113 @@
+"""Placement groups: one STRICT_PACK group per node, all requested at once, removed on every exit."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+
+import ray
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
+
+from ..core.errors import ResourceError
+from ..core.spec import LaunchSpec
+from ..core.topology import NodeSlot
+
+
+def bundle_for(spec: LaunchSpec) -> dict[str, float]:
+    bundle: dict[str, float] = {}
+    if spec.uses_gpus:
+        bundle["GPU"] = 1
+    if spec.cpus_per_rank > 0:
+        bundle["CPU"] = spec.cpus_per_rank
+    return bundle
+
+
+def nodes_that_fit(totals: Mapping[str, Mapping[str, float]], bundle: Mapping[str, float], count: int) -> int:
+    """How many nodes could hold one whole group (`count` bundles) if they were empty."""
+    return sum(all(res.get(k, 0) >= v * count for k, v in bundle.items()) for res in totals.values())
+
+
+def describe_request(spec: LaunchSpec) -> str:
+    per = ", ".join(f"{k} {v:g}" for k, v in bundle_for(spec).items())
+    unit = "GPUs" if spec.uses_gpus else "ranks"
+    return (
+        f"{spec.nodes} node(s) x {spec.gpus_per_node} {unit}, each node one group of "
+        f"{spec.gpus_per_node} bundles of {{{per}}} (STRICT_PACK)"
+    )
+
+
+def describe_nodes() -> str:
+    """What each live node has, free and total, for the resource error."""
+    total = ray._private.state.total_resources_per_node()
+    free = ray._private.state.available_resources_per_node()
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+    parts = []
+    for node_id, res in sorted(total.items(), key=lambda kv: ips.get(kv[0], "")):
+        avail = free.get(node_id, {})
+        shown = [f"{k} {avail.get(k, 0):g}/{res[k]:g} free" for k in ("GPU", "CPU") if k in res]
+        parts.append(f"{ips.get(node_id, node_id[:8])} {node_id[:8]}: {', '.join(shown) or 'no GPU/CPU'}")
+    return "; ".join(parts) or "no live nodes"
+
+
+def feasibility_problem(spec: LaunchSpec) -> str | None:
+    """A message when the cluster as it stands could never hold the layout, else None."""
+    fit = nodes_that_fit(ray._private.state.total_resources_per_node(), bundle_for(spec), spec.gpus_per_node)
+    if fit >= spec.nodes:
+        return None
+    return f"only {fit} node(s) of the cluster can hold one group"
+
+
+def create_groups(spec: LaunchSpec, name: str | None = None) -> list[PlacementGroup]:
+    """All groups are requested before any is waited on, so they are scheduled together."""
+    bundle = bundle_for(spec)
+    return [
+        placement_group(
+            [dict(bundle) for _ in range(spec.gpus_per_node)],
+            strategy="STRICT_PACK",
+            name=f"{name or spec.job_name}-node{i}",
+        )
+        for i in range(spec.nodes)
+    ]
+
+
+def resolve_nodes(groups: list[PlacementGroup]) -> list[NodeSlot]:
+    """The node of each group's bundle 0, from the GCS tables (no task needs to start)."""
+    nodes = {n["NodeID"]: n for n in ray.nodes()}
+    slots = []
+    for i, g in enumerate(groups):
+        table = placement_group_table(g)
+        node_id = table["bundles_to_node_id"][0]
+        node = nodes[node_id]
+        slots.append(
+            NodeSlot(
+                group=i,
+                node_ip=node["NodeManagerAddress"],
+                node_id=node_id,
+                hostname=node.get("NodeManagerHostname", ""),
+            )
+        )
+    return slots
+
+
+def resource_error(spec: LaunchSpec, placed: int, why: str, nodes: str, can_grow: bool) -> ResourceError:
+    fix = (
+        "free or add nodes, or wait longer with --placement-timeout"
+        if can_grow
+        else "or attach to a larger cluster with --address (this local Ray was started for this run and "
+        "cannot grow)"
+    )
+    return ResourceError(
+        f"the cluster cannot fit {describe_request(spec)}: {why} ({placed} of {spec.nodes} groups placed). "
+        f"Cluster before this launch: {nodes}. Lower --nodes / --gpus-per-node / --cpus-per-rank, {fix}"
+    )
+
+
+def remove_groups(groups: list[PlacementGroup]) -> None:
+    for g in groups:
+        with contextlib.suppress(Exception):  # already removed, or the cluster is gone
+            remove_placement_group(g)

@@ -1,0 +1,145 @@
+"""Rank output on the driver's side: a sink actor on the driver's node collects every rank's lines
+(rank/capture.py sends them), writes `rank-<r>.log` into the run directory with `[r<rank> n<node>]`
+prefixes, and holds the console lines and progress records until the driver drains them; the relay
+shows them, times the activity that hang detection watches, and makes the final drain.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from ..core.progress import parse_megatron_line
+from .actors import first_line, kill_actors, on_node
+from .cluster import NAMESPACE
+from .progress_view import ProgressView
+
+log = logging.getLogger("megaray")
+
+
+def prefix(rank: int, node_rank: int) -> str:
+    return f"[r{rank} n{node_rank}] "
+
+
+class OutputSink:
+    """The driver node's collector (a Ray actor): per-rank files, console lines, progress records."""
+
+    def __init__(self, run_dir: str, node_of_rank: list[int], console: frozenset[int]):
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.node_of_rank = node_of_rank
+        self.console_ranks = console
+        self.files: dict[int, Any] = {}
+        self.partial: dict[int, str] = {}
+        self.console: list[str] = []
+        self.progress: list[dict[str, Any]] = []
+        self.writes = 0  # any rank's activity, for the driver's hang detection
+
+    def write(self, rank: int, text: str) -> None:
+        self.writes += 1
+        lines = (self.partial.pop(rank, "") + text).split("\n")
+        if lines[-1]:
+            self.partial[rank] = lines[-1]
+        self._lines(rank, lines[:-1])
+
+    def _lines(self, rank: int, lines: list[str]) -> None:
+        if not lines:
+            return
+        tag = prefix(rank, self.node_of_rank[rank])
+        f = self.files.get(rank)
+        if f is None:
+            f = self.files[rank] = open(self.dir / f"rank-{rank}.log", "a", buffering=1)  # noqa: SIM115
+        f.write("".join(tag + ln + "\n" for ln in lines))
+        for ln in lines:
+            record = parse_megatron_line(ln)
+            if record is not None:
+                self.progress.append({**record, "rank": rank})
+        if rank in self.console_ranks:
+            self.console.extend(tag + ln for ln in lines)
+
+    def report(self, rank: int, record: dict[str, Any]) -> None:
+        """Progress sent by `launcher.progress.report()` on a rank."""
+        self.writes += 1
+        self.progress.append({**record, "rank": rank})
+
+    def drain(self) -> tuple[list[str], list[dict[str, Any]], int]:
+        """Console lines and progress since the last call, and the count of writes so far."""
+        out = (self.console, self.progress, self.writes)
+        self.console, self.progress = [], []
+        return out
+
+    def finish(self) -> tuple[list[str], list[dict[str, Any]], int]:
+        """Flush unterminated last lines and close the files; what is left for the console."""
+        for rank, rest in sorted(self.partial.items()):
+            self._lines(rank, [rest])
+        self.partial.clear()
+        for f in self.files.values():
+            f.close()
+        self.files.clear()
+        return self.drain()
+
+
+class OutputRelay:
+    """The sink of one attempt, and what the driver has seen of the ranks through it."""
+
+    def __init__(
+        self,
+        name: str,
+        run_dir: Path,
+        node_of_rank: list[int],
+        console: frozenset[int],
+        progress: ProgressView,
+    ):
+        self.progress = progress
+        self.sink: Any = (
+            ray.remote(OutputSink)
+            .options(name=name, namespace=NAMESPACE, max_restarts=0,
+                     **on_node(ray.get_runtime_context().get_node_id()))
+            .remote(str(run_dir.resolve()), node_of_rank, console)
+        )  # fmt: skip
+        self.drain_ref: Any = None
+        self.writes_seen = 0  # the sink's count of rank writes and reports, when last drained
+        self.last_activity = time.monotonic()
+        self.progress_seen = False
+
+    def pump(self, wait_s: float = 0.0) -> None:
+        """Show what the sink collected since the last call: console lines and progress."""
+        if self.sink is None:
+            return
+        if self.drain_ref is None:
+            self.drain_ref = self.sink.drain.remote()
+        ready, _ = ray.wait([self.drain_ref], timeout=wait_s)
+        if not ready:
+            return
+        ref, self.drain_ref = self.drain_ref, None
+        try:
+            lines, records, writes = ray.get(ref)
+        except ray.exceptions.RayError as e:
+            log.warning("rank output is no longer collected: %s", first_line(e))
+            self.sink = None
+            return
+        self._show(lines, records, writes)
+
+    def _show(self, lines: list[str], records: list[dict[str, Any]], writes: int) -> None:
+        if writes != self.writes_seen:
+            self.writes_seen, self.last_activity = writes, time.monotonic()
+        self.progress.print_lines(lines)
+        for record in records:
+            self.progress.update(record)
+            self.progress_seen = True
+
+    def finish(self) -> None:
+        """Last lines into the files and onto the console, then stop the sink."""
+        if self.drain_ref is not None:
+            self.pump(wait_s=5.0)  # lines already drained come before what finish() returns
+        sink, self.sink = self.sink, None
+        if sink is not None:
+            with contextlib.suppress(Exception):  # the sink is gone: what it held is lost with it
+                self._show(*ray.get(sink.finish.remote(), timeout=10))
+            kill_actors([sink])
+        self.progress.close()

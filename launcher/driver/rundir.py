@@ -1,0 +1,74 @@
+"""The run directory, `runs/<job>/`: what was asked, where it ran, what each rank got, how it ended.
+
+Written by the driver as the launch goes, so a failed or interrupted run leaves the same record
+as a good one. Values of variables whose names suggest a secret are replaced before anything is
+written or printed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ..core.rankenv import redact
+
+
+def _jsonable(obj: Any) -> Any:
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: _jsonable(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, Mapping):
+        return {str(k): _jsonable(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [_jsonable(v) for v in obj]
+    if isinstance(obj, str | int | float | bool) or obj is None:
+        return obj
+    return str(obj)
+
+
+def spec_record(spec: Any) -> dict[str, Any]:
+    """The launch spec as JSON, with `--env` secrets redacted."""
+    record = _jsonable(spec)
+    record["env"] = redact(dict(spec.env))
+    record["world_size"] = spec.world_size
+    return record
+
+
+class RunDir:
+    def __init__(self, root: Path):
+        self.path = root
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.started = time.time()
+
+    def write_json(self, name: str, data: Any) -> None:
+        tmp = self.path / f".{name}.tmp"
+        tmp.write_text(json.dumps(_jsonable(data), indent=2) + "\n")
+        tmp.replace(self.path / name)
+
+    def write_spec(self, spec: Any) -> None:
+        self.write_json("spec.json", spec_record(spec))
+
+    def write_config(self, cfg: Any) -> None:
+        """The resolved Megatron-Bridge config, as bridge itself writes it."""
+        cfg.to_yaml(str(self.path / "config.yaml"))
+
+    def write_topology(self, master: tuple[str, int], ranks: list[dict[str, Any]]) -> None:
+        self.write_json("topology.json", {"master_addr": master[0], "master_port": master[1], "ranks": ranks})
+
+    def write_env(self, per_rank: list[dict[str, Any]]) -> None:
+        self.write_json("env.json", per_rank)
+
+    def write_summary(self, **fields: Any) -> None:
+        ended = time.time()
+        self.write_json(
+            "summary.json",
+            {
+                **fields,
+                "started_at": self.started,
+                "ended_at": ended,
+                "duration_s": round(ended - self.started, 3),
+            },
+        )

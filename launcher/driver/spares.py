@@ -1,0 +1,177 @@
+"""Warm spares: the next attempt's rank actors, started while this attempt runs, with torch and the
+Megatron stack already imported, so that a restart skips Ray's worker start, the imports and the
+placement.
+
+A restart under torchrun (or a cold relaunch here) pays, per rank, a new Python process and the
+imports again (torch alone is seconds, torch plus megatron-core about ten on a small machine), then
+waits for placement. A spare is started into the same bundle as its rank, with no resources of its
+own: the bundle keeps the GPU reserved, the spare uses it by index once its rank is gone, exactly as
+the rank did (CUDA_VISIBLE_DEVICES lists the node's job GPUs, LOCAL_RANK picks one). Removing the
+group kills the spare with it, so nothing outlives the job.
+
+A spare is used only if every one of them answers and every group is still placed; otherwise (a
+node was lost, a spare died) the relaunch places everything anew, as it would without spares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from enum import Enum
+
+import ray
+from ray.util.placement_group import placement_group_table
+
+from ..core.refs import split_ref
+from ..core.target import Target, TargetKind
+from ..core.topology import RankReport, RankSlot
+from . import placement
+from .actors import first_line, kill_actors, start_rank_actor, wait_all
+from .supervise import StopSignal
+
+log = logging.getLogger("megaray")
+
+SPARE_ANSWER_S = 10.0  # a warm spare answers at once; one that does not is on a lost node
+WARM_TIMEOUT_S = 300.0  # as long as a rank actor may take to start
+
+
+# The Megatron dry run's imports (launcher.megatron.tiny_gpt imports them inside `train`).
+DRY_RUN_IMPORTS = (
+    "megatron.core.parallel_state",
+    "megatron.core.distributed",
+    "megatron.core.models.gpt",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.optimizer",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.tensor_parallel",
+    "megatron.core.transformer",
+    "launcher.megatron.tiny_gpt",
+    "launcher.megatron.cpu_megatron",
+)
+
+
+def warm_steps(target: Target) -> tuple[str, ...]:
+    """What a spare imports before its rank needs it: `module`, or `module:function` to call.
+
+    Only the launcher's own stack: a user's script or module is never run ahead of time (its
+    import-time code would run with the previous attempt's env).
+    """
+    steps = ("torch", "torch.distributed")
+    if target.kind is TargetKind.DRYRUN:
+        return (*steps, *DRY_RUN_IMPORTS)
+    if target.kind is TargetKind.MEGATRON and target.recipe is not None:
+        recipe_module, _ = split_ref(target.recipe.function)
+        return (
+            *steps,
+            "launcher.megatron.compat:import_bridge",  # the TE-less import order, where TE is missing
+            "megatron.bridge.training.gpt_step",
+            "megatron.bridge.training.pretrain",
+            recipe_module,
+            "launcher.megatron.bridge_target",
+        )
+    return steps
+
+
+class SpareState(Enum):
+    WARMING = "importing"
+    READY = "ready"
+    FAILED = "failed"  # a spare died while importing: a restart places every rank anew
+    HANDED_OVER = "handed over"  # to the next attempt, with the placement groups
+    ADOPTED = "adopted"  # the next attempt's ranks run in them
+    DISCARDED = "discarded"
+
+
+class SparesUnusable(Exception):
+    """Why the next attempt cannot take over the spares (a lost node, a dead spare, CUDA initialized)."""
+
+
+class SparePool:
+    """One spare actor per rank for the next attempt, in the ranks' own bundles, with no resources of
+    their own; it keeps the attempt's placement groups, slots, GPU ids and process ids."""
+
+    def __init__(self, name: str, job: str, target: Target, groups: list, slots: list[RankSlot],
+                 reports: list[RankReport], envs: list[dict[str, str]]):  # fmt: skip
+        self.groups, self.slots = groups, slots
+        self.gpu_ids = [r.gpu_ids for r in reports]
+        self.replaces_pids = [r.pid for r in reports]
+        self.actors = [
+            start_rank_actor(f"{name}-rank{s.rank}", groups[s.group], s.bundle, job=job, rank=s.rank,
+                             node_ip=s.node_ip, num_cpus=0, num_gpus=0)  # the bundle holds the resources
+            for s in slots
+        ]  # fmt: skip
+        steps = warm_steps(target)
+        self.warm_refs = [a.warm.remote(env, steps) for a, env in zip(self.actors, envs, strict=True)]
+        self.started_at = time.monotonic()
+        self.state = SpareState.WARMING
+        log.info("starting %d warm spare(s) for a restart (importing %s)", len(self.actors), ", ".join(steps))
+
+    def tend(self, attempt: int) -> None:
+        """Say once when every spare has finished importing (they warm while the attempt trains)."""
+        refs = self.warm_refs
+        if self.state is not SpareState.WARMING or len(
+            ray.wait(refs, num_returns=len(refs), timeout=0)[0]
+        ) < len(refs):
+            return
+        try:
+            results = ray.get(refs)
+        except ray.exceptions.RayError as e:
+            self.state = SpareState.FAILED
+            log.warning("a warm spare failed: %s; a restart will place every rank anew", first_line(e))
+            return
+        self.state = SpareState.READY
+        failed = sorted({step for r in results for step in r["failed"]})
+        log.info(
+            "%d warm spare(s) ready for restart %d in %.1f s%s",
+            len(results),
+            attempt,
+            time.monotonic() - self.started_at,
+            f" (could not import {', '.join(failed)}: the ranks will)" if failed else "",
+        )
+
+    def hand_over(self) -> SparePool | None:
+        """After a failure: these spares, and the groups, for the next attempt (None if they failed)."""
+        if self.state is SpareState.FAILED:
+            return None
+        self.state = SpareState.HANDED_OVER
+        return self
+
+    def take_over(self, stop: StopSignal) -> list[RankReport]:
+        """For the next attempt: each spare's report, with the GPU ids of the rank it replaces; raises
+        SparesUnusable when any of them cannot take over. A spare on a lost node may not be known dead
+        to Ray yet: it does not answer, and that is enough."""
+        for g in self.groups:
+            state = placement_group_table(g).get("state")
+            if state != "CREATED":
+                raise SparesUnusable(f"placement group {g.id.hex()[:8]} is {state}: a node was lost")
+        warmed = wait_all(self.warm_refs, WARM_TIMEOUT_S, stop)
+        if len(warmed) < len(self.warm_refs):
+            late = len(self.warm_refs) - len(warmed)
+            raise SparesUnusable(f"{late} spare(s) still importing after {WARM_TIMEOUT_S:g}s")
+        pings = [a.info.remote() for a in self.actors]
+        answered = wait_all(pings, SPARE_ANSWER_S, stop)
+        if len(answered) < len(pings):
+            raise SparesUnusable(
+                f"{len(pings) - len(answered)} spare(s) did not answer within {SPARE_ANSWER_S:g}s"
+            )
+        try:
+            results, reports = ray.get(self.warm_refs), ray.get(pings)
+        except ray.exceptions.RayError as e:
+            raise SparesUnusable(f"a spare died: {first_line(e)}") from None
+        cuda = [r for r, w in enumerate(results) if w["cuda_initialized"]]
+        if cuda:
+            from ..core.topology import format_rank_ranges
+
+            raise SparesUnusable(
+                f"importing initialized CUDA in the spare(s) of rank(s) {format_rank_ranges(cuda)}, which "
+                "would leave a context on the node's first GPU"
+            )
+        self.state = SpareState.ADOPTED
+        return [dataclasses.replace(r, gpu_ids=ids) for r, ids in zip(reports, self.gpu_ids, strict=True)]
+
+    def discard(self, *, groups: bool) -> None:
+        """Kill the spares; with `groups`, remove the placement groups too (they were handed over)."""
+        self.state = SpareState.DISCARDED
+        kill_actors(self.actors)
+        if groups:
+            placement.remove_groups(self.groups)

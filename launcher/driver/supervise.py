@@ -1,0 +1,136 @@
+"""Watching running ranks: the first failure ends the attempt, a silent job is a hang, a signal stops.
+
+Written against two small interfaces, so that the rules (which failure is the root cause, when
+silence counts as a hang, how a stop signal is seen) are tested with a fake gang and a fake clock:
+
+- the gang: `world_size`, `wait(refs, num_returns, timeout_s) -> (done, pending)`,
+  `outcome(ref, rank) -> (ok, value or RankFailure)`, `inspect_hang(idle_s) -> [RankFailure]`;
+- the relay (rank output), optional: `pump(wait_s)`, `writes_seen`, `last_activity`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, Protocol
+
+from ..core.errors import Interrupted, RankFailedError, RankFailure
+
+ROOT_CAUSE_WINDOW_S = 0.1  # failures arriving this close together are compared to find the first
+STARTUP_GRACE_S = 120.0  # the least silence allowed before the first line of any rank
+POLL_S = 0.25  # how often the loop looks at signals, output and the hang timer
+
+
+class StopSignal:
+    """SIGINT/SIGTERM in the driver: remembered by the handler, acted on by the wait loops.
+
+    Raising from the handler would unwind through Ray's C++ wait and surface as a SystemError; the
+    loops wait in short slices and call `check()`, which raises `Interrupted` so teardown runs.
+    """
+
+    def __init__(self):
+        self.signum: int | None = None
+
+    def check(self) -> None:
+        if self.signum is not None:
+            raise Interrupted(self.signum, signal.Signals(self.signum).name)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, _frame):
+            if self.signum is not None:  # a second signal while stopping: stop waiting for anything
+                raise Interrupted(signum, signal.Signals(signum).name)
+            self.signum = signum
+
+        old = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for s, h in old.items():
+                signal.signal(s, h)
+
+
+class Gang(Protocol):
+    world_size: int
+
+    def wait(self, refs: list, num_returns: int, timeout_s: float) -> tuple[list, list]: ...
+
+    def outcome(self, ref: Any, rank: int) -> tuple[bool, Any]: ...
+
+    def inspect_hang(self, idle_s: float) -> list[RankFailure]: ...
+
+
+class Relay(Protocol):
+    writes_seen: int
+    last_activity: float
+
+    def pump(self, wait_s: float = 0.0) -> None: ...
+
+
+def hang_limit(hang_timeout_s: float, any_output: bool) -> float:
+    """Before any rank has printed (imports, rendezvous), a short --hang-timeout is not enough."""
+    return hang_timeout_s if any_output else max(hang_timeout_s, STARTUP_GRACE_S)
+
+
+def supervise(
+    gang: Gang,
+    refs: list,
+    stop: StopSignal,
+    *,
+    relay: Relay | None = None,
+    hang_timeout_s: float = 0.0,
+    tick: Callable[[], None] = lambda: None,
+    clock: Callable[[], float] = time.monotonic,
+) -> tuple[Any, ...]:
+    """Wait for one call per rank (`refs`, by rank) and return their values, by rank.
+
+    The first failure raises RankFailedError at once: the others would hang in collectives. Peers of
+    a dead rank fail a moment later with connection errors, so what arrives within a short window is
+    gathered too, and the error's root cause is the rank that failed first. No output or progress
+    from any rank for `hang_timeout_s` (0: never) is a hang: every rank's state and stack are read
+    and the attempt fails the same way. `tick` runs on every turn (the warm spares are tended there).
+    """
+    rank_of = {ref: r for r, ref in enumerate(refs)}
+    returns: list[Any] = [None] * len(refs)
+    failures: list[RankFailure] = []
+    pending = list(refs)
+    started = clock()
+
+    def collect(done: list) -> None:
+        for ref in done:
+            ok, value = gang.outcome(ref, rank_of[ref])
+            if ok:
+                returns[rank_of[ref]] = value
+            else:
+                failures.append(value)
+
+    while pending:
+        stop.check()
+        if relay is not None:
+            relay.pump()
+        tick()
+        if hang_timeout_s and relay is not None:
+            idle = clock() - max(started, relay.last_activity)
+            if idle > hang_limit(hang_timeout_s, relay.writes_seen > 0):
+                hung = gang.inspect_hang(idle)
+                if any("faulthandler" in f.summary for f in hung):
+                    relay.pump(wait_s=2.0)  # their stacks reach the rank logs through the sink
+                raise RankFailedError(hung, gang.world_size)
+        done, pending = gang.wait(pending, 1, POLL_S)
+        if not done:
+            continue
+        collect(done)
+        if failures:
+            if pending:
+                collect(gang.wait(pending, len(pending), ROOT_CAUSE_WINDOW_S)[0])
+            if relay is not None:
+                relay.pump(wait_s=2.0)  # the failing rank's last lines before the report
+            raise RankFailedError(failures, gang.world_size)
+    return tuple(returns)

@@ -1,0 +1,123 @@
+"""The Megatron target: build a recipe's config and call Megatron-Bridge `pretrain()` on this rank.
+
+The config is built where it runs (each rank), and also in the driver for the preflight, from the
+same function, so both see the same values. Also runnable under torchrun, for comparisons:
+
+    torchrun --nproc-per-node 8 -m launcher.megatron.bridge_target --recipe llama3_8b train.train_iters=10
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+from ..core.errors import UsageError
+from ..core.recipes import Recipe, check_overrides, load_recipe
+from ..core.refs import load_function
+from . import compat
+
+
+@contextlib.contextmanager
+def _hf_model_from(hf_model: str | None, hf_path: str | None) -> Iterator[None]:
+    """Make the recipe function read `hf_path` where it asks for its hard-coded HF model id.
+
+    Bridge 0.6 recipe functions take no arguments and call `AutoBridge.from_hf_pretrained(<id>)`.
+    """
+    if not (hf_model and hf_path):
+        yield
+        return
+    from megatron.bridge import AutoBridge
+
+    original = AutoBridge.__dict__["from_hf_pretrained"]
+
+    def redirected(cls, path, *args, **kwargs):
+        return original.__func__(cls, hf_path if str(path) == hf_model else path, *args, **kwargs)
+
+    AutoBridge.from_hf_pretrained = classmethod(redirected)
+    try:
+        yield
+    finally:
+        AutoBridge.from_hf_pretrained = original
+
+
+def recipe_function(recipe: Recipe):
+    try:
+        return load_function(recipe.function)
+    except (ImportError, AttributeError) as e:
+        raise UsageError(
+            f"recipe {recipe.name}: cannot load {recipe.function} ({e}); check `function:` against the "
+            "installed megatron-bridge"
+        ) from None
+
+
+def build_config(recipe: Recipe, overrides: list[str], hf_path: str | None = None) -> tuple[Any, list[str]]:
+    """The recipe's ConfigContainer with the recipe file's overrides, then the command line's.
+
+    Returns the config and notes on what was adapted to this machine.
+    """
+    compat.import_bridge()
+    from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
+
+    check_overrides(overrides)
+    with _hf_model_from(recipe.hf_model, hf_path):
+        cfg = recipe_function(recipe)()
+    if hf_path and getattr(cfg.tokenizer, "tokenizer_model", None) == recipe.hf_model:
+        cfg.tokenizer.tokenizer_model = hf_path
+    for source, items in (("recipe " + recipe.name, list(recipe.overrides)), ("command line", overrides)):
+        for item in items:  # one at a time, so an error names the key that caused it
+            try:
+                cfg = process_config_with_overrides(cfg, cli_overrides=[item])
+            except Exception as e:
+                key = item.split("=", 1)[0]
+                reason = " ".join(str(e).split())[:300]
+                raise UsageError(
+                    f"override {item!r} from the {source}: {reason}; check the key {key!r}"
+                ) from None
+    notes = [f"no TransformerEngine here: {c}" for c in compat.adapt_model_without_te(cfg.model)]
+    return cfg, notes
+
+
+def pretrain_recipe(recipe: Recipe, overrides: list[str], hf_path: str | None = None) -> None:
+    """What each rank runs: Megatron-Bridge `pretrain(config=cfg, forward_step_func=forward_step)`."""
+    cfg, notes = build_config(recipe, overrides, hf_path)
+    for note in notes:
+        print(f"megaray: {note}", flush=True)
+    compat.skip_compile_helpers_if_prebuilt()
+    from megatron.bridge.training.gpt_step import forward_step
+    from megatron.bridge.training.pretrain import pretrain
+
+    pretrain(config=cfg, forward_step_func=forward_step)
+    report_peak_memory()
+
+
+def report_peak_memory() -> None:
+    """One line with this rank's peak GPU memory, the figure a memory estimate is checked against
+    (Megatron logs its own only after the first iterations)."""
+    import torch
+
+    if not (torch.cuda.is_available() and torch.cuda.is_initialized()):
+        return
+    gib = 2**30
+    print(
+        f"megaray: rank {os.environ.get('RANK', '0')} peak GPU memory: "
+        f"{torch.cuda.max_memory_allocated() / gib:.2f} GiB allocated, "
+        f"{torch.cuda.max_memory_reserved() / gib:.2f} GiB reserved",
+        flush=True,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m launcher.megatron.bridge_target")
+    parser.add_argument("--recipe", required=True)
+    parser.add_argument("--hf-path")
+    parser.add_argument("overrides", nargs="*")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    pretrain_recipe(load_recipe(args.recipe), args.overrides, args.hf_path)
+
+
+if __name__ == "__main__":
+    main()

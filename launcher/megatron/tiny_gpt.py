@@ -1,0 +1,210 @@
+"""The Megatron dry run: a tiny megatron-core GPT trained on CPU over gloo, with tensor, pipeline and
+data parallelism laid over the launched world, through megatron-core's own DDP, optimizer and
+pipeline schedules. It proves the launch (ranks, groups, env) carries real Megatron training, on a
+machine without a GPU, in seconds.
+
+The data is learnable (each sequence counts up from a random start), so the loss must fall.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+from ..rank.capture import report
+
+
+def choose_layout(world: int, local_world: int) -> tuple[int, int, int]:
+    """TP 2 inside a node when it can, then PP 2 across what is left, then DP: TP2 x PP2 on 4 ranks."""
+    tp = 2 if local_world % 2 == 0 and world % 2 == 0 else 1
+    pp = 2 if (world // tp) % 2 == 0 else 1
+    return tp, pp, world // (tp * pp)
+
+
+def train(
+    steps: int = 20,
+    seq: int = 32,
+    vocab: int = 128,
+    hidden: int = 64,
+    heads: int = 4,
+    layers: int = 4,
+    micro_batch: int = 4,
+    microbatches: int = 2,
+    lr: float = 3e-3,
+    save: str | None = None,
+    save_every: int = 5,
+) -> dict[str, Any]:
+    """Train; with `save`, checkpoint every `save_every` steps and resume from the latest one there."""
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    try:
+        ckpt = Checkpoints(save, save_every) if save else None
+        return _train(steps, seq, vocab, hidden, heads, layers, micro_batch, microbatches, lr, ckpt)
+    finally:
+        from megatron.core import parallel_state
+
+        parallel_state.destroy_model_parallel()
+        dist.destroy_process_group()
+        del torch
+
+
+class Checkpoints:
+    """Per-rank checkpoints in `<dir>/iter_<N>/rank<r>.pt`, and `<dir>/latest` naming the last complete
+    one (written by rank 0 after every rank has saved), as Megatron's tracker file does."""
+
+    def __init__(self, root: str, every: int):
+        self.root, self.every = Path(root), every
+
+    def latest(self) -> int:
+        tracker = self.root / "latest"
+        return int(tracker.read_text()) if tracker.is_file() else 0
+
+    def save(self, iteration: int, rank: int, state: dict[str, Any]) -> None:
+        import torch
+        import torch.distributed as dist
+
+        folder = self.root / f"iter_{iteration:07d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        torch.save(state, folder / f"rank{rank}.pt")
+        dist.barrier()
+        if rank == 0:
+            tmp = self.root / "latest.tmp"
+            tmp.write_text(str(iteration))
+            tmp.replace(self.root / "latest")
+            print(f"saved checkpoint at iteration {iteration} to {self.root}", flush=True)
+        dist.barrier()
+
+    def load(self, iteration: int, rank: int) -> dict[str, Any]:
+        import torch
+
+        return torch.load(self.root / f"iter_{iteration:07d}" / f"rank{rank}.pt", weights_only=False)
+
+
+def _train(steps, seq, vocab, hidden, heads, layers, micro_batch, microbatches, lr, ckpt) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from .cpu_megatron import adapt_megatron_to_cpu
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    tp, pp, dp = choose_layout(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+
+    from megatron.core import parallel_state
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel import random as mp_random
+    from megatron.core.transformer import TransformerConfig
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    adapt_megatron_to_cpu()
+    torch.manual_seed(1234)
+    mp_random.get_cuda_rng_tracker().add(
+        "model-parallel-rng", 1234 + 2718 + parallel_state.get_tensor_model_parallel_rank()
+    )
+
+    config = TransformerConfig(
+        num_layers=layers,
+        hidden_size=hidden,
+        num_attention_heads=heads,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+    )
+    model = GPTModel(
+        config=config,
+        transformer_layer_spec=get_gpt_layer_local_spec(),
+        vocab_size=vocab,
+        max_sequence_length=seq,
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
+    )
+    ddp = DistributedDataParallel(
+        config,
+        DistributedDataParallelConfig(grad_reduce_in_fp32=False, overlap_grad_reduce=False),
+        model,
+    )
+    config.finalize_model_grads_func = finalize_model_grads  # all-reduces grads across DP (and embeddings)
+    optimizer = get_megatron_optimizer(
+        OptimizerConfig(optimizer="adam", lr=lr, clip_grad=0.0, bf16=False, fp16=False), [ddp]
+    )
+    forward_backward = get_forward_backward_func()
+
+    dp_rank = parallel_state.get_data_parallel_rank()
+    gen = torch.Generator().manual_seed(100 + dp_rank)  # same data across TP/PP, different across DP
+    mask = torch.triu(torch.ones(1, 1, seq, seq, dtype=torch.bool), diagonal=1)  # True = masked (causal)
+    positions = torch.arange(seq).unsqueeze(0).expand(micro_batch, seq)
+
+    def batches():
+        while True:
+            start = torch.randint(0, vocab, (micro_batch, 1), generator=gen)
+            tokens = (start + torch.arange(seq + 1)) % vocab
+            yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+    def forward_step(data_iterator, model):
+        tokens, labels = next(data_iterator)
+        output = model(tokens, positions, mask, labels=labels)
+
+        def loss_func(output_tensor):
+            loss = output_tensor.float().mean()
+            return loss, {"lm loss": loss.detach()}
+
+        return output, loss_func
+
+    data = batches()
+    losses: list[float] = []
+    first = ckpt.latest() if ckpt else 0
+    if first:
+        state = ckpt.load(first, rank)
+        ddp.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        gen.set_state(state["data"])
+        if rank == 0:
+            print(f"resumed from checkpoint at iteration {first}", flush=True)
+    reporter = (
+        parallel_state.is_pipeline_last_stage()
+        and parallel_state.get_tensor_model_parallel_rank() == 0
+        and parallel_state.get_data_parallel_rank() == 0
+    )
+    for step in range(first, steps):
+        ddp.zero_grad_buffer()
+        optimizer.zero_grad()
+        out = forward_backward(
+            forward_step_func=forward_step,
+            data_iterator=data,
+            model=[ddp],
+            num_microbatches=microbatches,
+            seq_length=seq,
+            micro_batch_size=micro_batch,
+            forward_only=False,
+        )
+        optimizer.step()
+        if parallel_state.is_pipeline_last_stage():
+            # the schedule divides each microbatch's loss by their number: the sum is the mean
+            losses.append(float(sum(o["lm loss"] for o in out)))
+            if reporter:  # one rank tells the driver, as Megatron logs on one rank
+                report(step + 1, steps, losses[-1], tokens=micro_batch * microbatches * dp * seq)
+        if ckpt and (step + 1) % ckpt.every == 0 and step + 1 < steps:
+            state = {"model": ddp.state_dict(), "optimizer": optimizer.state_dict(), "data": gen.get_state()}
+            ckpt.save(step + 1, rank, state)
+    return {"rank": rank, "tp": tp, "pp": pp, "dp": dp, "losses": losses or None, "first_iteration": first,
+            "iterations": steps}  # fmt: skip

@@ -1,0 +1,189 @@
+"""The per-rank actor: it reports where it landed, takes its env, then runs the target in-process.
+
+This module must not import torch (or anything that does) at import time: CUDA reads
+CUDA_VISIBLE_DEVICES and OpenMP reads OMP_NUM_THREADS when they first load, and the launcher sets
+both in `setup()`, after the actor has started and before the target imports anything.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from ..core.refs import load_function, split_ref
+from ..core.target import Target, TargetKind
+from ..core.topology import RankReport, candidate_ports
+from ..core.versions import python_version
+from .probes import REPLACED_EXIT_TIMEOUT_S, ephemeral_range, inherited_env, port_is_free, wait_gone
+
+_THIS_FILE = str(Path(__file__).resolve())
+
+
+class RankActor:
+    """One rank. Ray uses `__repr__` as the log prefix, so output reads `(rank3@10.0.0.9/gpu1 ...)`."""
+
+    def __init__(self, job: str, rank: int, node_ip: str):
+        self.job = job
+        self.rank = rank
+        self.node_ip = node_ip
+        ctx = ray.get_runtime_context()
+        self.gpu_ids = [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])]
+        self.node_id = ctx.get_node_id()
+        self.capture = None
+
+    def __repr__(self) -> str:
+        where = f"gpu{','.join(self.gpu_ids)}" if self.gpu_ids else "cpu"
+        return f"rank{self.rank}@{self.node_ip}/{where}"
+
+    def info(self) -> RankReport:
+        """Where this rank landed and what it runs on, for the topology and the version check."""
+        return RankReport(
+            rank=self.rank,
+            node_ip=self.node_ip,
+            node_id=self.node_id,
+            hostname=socket.gethostname(),
+            pid=os.getpid(),
+            gpu_ids=tuple(self.gpu_ids),
+            ray_version=ray.__version__,
+            python_version=python_version(),
+            inherited_env=inherited_env(),
+        )
+
+    def free_ports(self, seed: str, count: int, exact: int | None = None) -> list[int]:
+        """Ports free on this node (the master node: this is rank 0), probed here, not on the driver."""
+        if exact is not None:
+            return [exact] if port_is_free(exact) else []
+        found: list[int] = []
+        for port in candidate_ports(seed, exclude=ephemeral_range()):
+            if port_is_free(port):
+                found.append(port)
+                if len(found) == count:
+                    break
+        return found
+
+    def warm(self, env: dict[str, str], steps: tuple[str, ...]) -> dict[str, Any]:
+        """As a spare for the next attempt: take the env and do the imports now (driver/spares.py)."""
+        from .warmup import warm
+
+        return warm(env, steps)
+
+    def setup(
+        self,
+        env: dict[str, str],
+        sink: Any = None,
+        gpu_ids: tuple[str, ...] | None = None,
+        replaces_pid: int | None = None,
+    ) -> dict[str, str]:
+        """Apply the rank's env before any framework is imported, and send this process's output to
+        `sink` (a launch's OutputSink, driver/relay.py) from here on. Returns the whole environment
+        the rank now has.
+
+        A spare taking over a rank gets the rank's `gpu_ids` (it holds none of its own; the bundle
+        does) and first waits for the old rank's process (`replaces_pid`, on this node) to be gone,
+        so that its GPU memory is free before this one uses the GPU.
+        """
+        if gpu_ids is not None:
+            self.gpu_ids = list(gpu_ids)
+        if replaces_pid is not None:
+            wait_gone(replaces_pid, REPLACED_EXIT_TIMEOUT_S)
+        os.environ.update(env)
+        if sink is not None and self.capture is None:
+            from .capture import Capture
+
+            self.capture = Capture(sink, self.rank)
+        return dict(os.environ)
+
+    def run(self, target: Target, cwd: str) -> dict[str, Any]:
+        """Run the target to completion; a failure comes back as data with its traceback."""
+        return self.call(run_target, (target, cwd), {})
+
+    def call(self, fn, args: tuple, kwargs: dict) -> dict[str, Any]:
+        """Run `fn(*args, **kwargs)` here (a rank group's method call), failures as data."""
+        try:
+            value = fn(*args, **kwargs)
+            return {"ok": True, "value": value}
+        except SystemExit as e:
+            if e.code in (None, 0):
+                return {"ok": True, "value": None}
+            code = e.code if isinstance(e.code, int) else 1
+            what = f"exited with code {code}" + ("" if isinstance(e.code, int) else f": {e.code}")
+            return _failure("exit", what, e, exit_code=code)
+        except BaseException as e:
+            return _failure("exception", f"{type(e).__name__}: {e}".strip().splitlines()[0], e)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            if self.capture is not None:
+                self.capture.sync()  # the driver has every line of this rank before its result
+
+
+def _failure(kind: str, summary: str, exc: BaseException, exit_code: int | None = None) -> dict[str, Any]:
+    return {
+        "ok": False,
+        "kind": kind,
+        "summary": summary,
+        "traceback": user_traceback(exc),
+        "exit_code": exit_code,
+        "at": time.time(),
+    }
+
+
+def user_traceback(exc: BaseException) -> str:
+    """The traceback from the target's first frame on: this module's and runpy's frames are noise."""
+    tb = exc.__traceback__
+    while tb is not None and (tb.tb_frame.f_code.co_filename in (_THIS_FILE, runpy.__file__)):
+        if tb.tb_next is None:
+            break
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb))
+
+
+class TargetNotFound(Exception):
+    pass
+
+
+def run_target(target: Target, cwd: str) -> Any:
+    """Run the target as torchrun would: scripts and modules as `__main__` with sys.argv set."""
+    if os.path.isdir(cwd):
+        os.chdir(cwd)
+    if target.kind is TargetKind.DRYRUN:
+        from ..megatron.dryrun import check_and_train
+
+        return check_and_train(*target.args)
+    if target.kind is TargetKind.MEGATRON:
+        from ..megatron.bridge_target import pretrain_recipe
+
+        return pretrain_recipe(target.recipe, list(target.args), target.hf_path)
+    if target.kind is TargetKind.SCRIPT:
+        path = os.path.join(cwd, target.name)
+        if not os.path.isfile(path):
+            raise TargetNotFound(
+                f"script {path} does not exist on node {socket.gethostname()}; put it on every node "
+                "(shared filesystem or the same checkout)"
+            )
+        sys.argv = [path, *target.args]
+        sys.path.insert(0, os.path.dirname(path))
+        runpy.run_path(path, run_name="__main__")
+        return None
+    sys.path.insert(0, cwd)
+    if target.kind is TargetKind.MODULE:
+        sys.argv = [target.name, *target.args]
+        runpy.run_module(target.name, run_name="__main__", alter_sys=True)
+        return None
+    module_name, func_name = split_ref(target.name)
+    try:
+        func = load_function(target.name)
+    except AttributeError:
+        func = None
+    if not callable(func):
+        raise TargetNotFound(f"{module_name} has no function {func_name} on node {socket.gethostname()}")
+    sys.argv = [module_name, *target.args]
+    return func()

@@ -1,0 +1,108 @@
+"""In a rank: its output and progress, sent to the launch's sink (driver/relay.py).
+
+Ray's own log streaming prints every rank's lines with a long prefix and keeps them on the node
+that produced them. Here each rank's stdout and stderr (the file descriptors, so NCCL's and other C
+libraries' output too) go through a pipe to the sink actor on the driver's node; `report()` sends
+progress the same way. No shared filesystem is needed.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import faulthandler
+import fcntl
+import os
+import select
+import signal
+import sys
+import termios
+import threading
+import time
+from typing import Any
+
+_current: Capture | None = None
+
+
+def current_sink() -> Any:
+    """The sink this rank's output goes to (None outside a megaray launch)."""
+    return _current.sink if _current is not None else None
+
+
+class Capture:
+    """In a rank: file descriptors 1 and 2 go to a pipe; a thread sends what arrives to the sink."""
+
+    def __init__(self, sink: Any, rank: int):
+        global _current
+        _current = self
+        self.sink, self.rank = sink, rank
+        self.last_ref = None
+        self.busy = False
+        sys.stdout.flush()
+        sys.stderr.flush()
+        read_fd, write_fd = os.pipe()
+        os.dup2(write_fd, 1)
+        os.dup2(write_fd, 2)
+        os.close(write_fd)
+        self.read_fd = read_fd
+        # Python's own streams must not hold lines back: a rank that dies loses what is buffered.
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(AttributeError, ValueError):
+                stream.reconfigure(line_buffering=True)
+        threading.Thread(target=self._pump, name="megaray-output", daemon=True).start()
+        # On a hang the driver asks for this rank's stack where py-spy cannot attach.
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+
+    def _pump(self) -> None:
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        while True:
+            data = os.read(self.read_fd, 1 << 16)
+            if not data:
+                return
+            self.busy = True
+            # A moment's wait gathers a burst of lines into one message to the sink.
+            deadline = time.monotonic() + 0.05
+            while len(data) < 1 << 20:
+                left = deadline - time.monotonic()
+                if left <= 0 or not select.select([self.read_fd], [], [], left)[0]:
+                    break
+                more = os.read(self.read_fd, 1 << 16)
+                if not more:
+                    break
+                data += more
+            self.last_ref = self.sink.write.remote(self.rank, decoder.decode(data))
+            self.busy = False
+
+    def sync(self, timeout_s: float = 10.0) -> None:
+        """Return once everything written so far has reached the sink (before the rank reports)."""
+        import ray
+
+        sys.stdout.flush()
+        sys.stderr.flush()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline and (self.busy or _unread(self.read_fd)):
+            time.sleep(0.01)
+        if self.last_ref is not None:
+            ray.wait([self.last_ref], timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _unread(fd: int) -> int:
+    buf = bytearray(4)
+    fcntl.ioctl(fd, termios.FIONREAD, buf)
+    return int.from_bytes(buf, sys.byteorder)
+
+
+def report(iteration: int, total: int | None = None, loss: float | None = None, tokens: int | None = None):
+    """Tell the driver how training goes, from a rank (usually the one that has the loss).
+
+    `tokens` is what one iteration processes across all ranks (global batch x sequence length).
+    Outside a megaray launch this does nothing, so programs can call it unconditionally.
+    """
+    sink = current_sink()
+    if sink is None:
+        return  # not a megaray rank (torchrun, or a plain process)
+    record = {"iteration": int(iteration), "time": time.time()}
+    for key, value in (("total", total), ("loss", loss), ("tokens", tokens)):
+        if value is not None:
+            record[key] = value
+    sink.report.remote(int(os.environ.get("RANK", "0")), record)

@@ -1,0 +1,129 @@
+"""What a rank, or a task on a rank's node, reads on that node: process states and Python stacks (for
+hangs), free ports (for MASTER_PORT), the environment a worker started with.
+
+A hung collective holds every GPU of the job until NCCL's watchdog fires (10 minutes by default)
+or forever, and says little about why. When the driver sees no activity from any rank for
+`--hang-timeout`, a task on each rank's node reads the process state (a SIGSTOPped or swapped-out
+rank shows there) and its Python stack with py-spy, which Ray's dashboard also uses; where py-spy
+cannot attach, the rank's faulthandler is asked to print its stack into the rank's log.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+
+def _py_spy() -> str | None:
+    here = os.path.join(os.path.dirname(sys.executable), "py-spy")
+    return here if os.access(here, os.X_OK) else shutil.which("py-spy")
+
+
+def process_state(pid: int) -> str | None:
+    """The state letter in /proc/<pid>/stat (R, S, T, Z, ...); None when there is no such process."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115
+        return stat[stat.rindex(")") + 2]
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def inspect_process(pid: int) -> dict[str, Any]:
+    """On the rank's node: state and Python stack of one rank process."""
+    out: dict[str, Any] = {"pid": pid, "state": "?", "stack": None, "how": None}
+    state = process_state(pid)
+    if state is None:
+        out["state"] = "gone"
+        return out
+    out["state"] = state
+    spy = _py_spy()
+    if spy:
+        try:
+            done = subprocess.run(
+                [spy, "dump", "--pid", str(pid)], capture_output=True, text=True, timeout=20
+            )
+            if done.returncode == 0 and done.stdout.strip():
+                out["stack"], out["how"] = done.stdout, "py-spy"
+                return out
+            out["spy_error"] = (done.stderr or done.stdout).strip().splitlines()[-1:]
+        except (OSError, subprocess.SubprocessError) as e:
+            out["spy_error"] = [str(e)]
+    if out["state"] in ("T", "t"):
+        out["how"] = "nobody: a stopped process cannot run its faulthandler (SIGCONT it to inspect)"
+        return out
+    try:  # the rank registered faulthandler on SIGUSR1: its stack goes to its log
+        os.kill(pid, signal.SIGUSR1)
+        out["how"] = "faulthandler (see the rank's log)"
+    except OSError:
+        pass
+    return out
+
+
+def inspect_processes(pids: list[int]) -> list[dict[str, Any]]:
+    with ThreadPoolExecutor(max_workers=min(8, len(pids) or 1)) as pool:
+        return list(pool.map(inspect_process, pids))
+
+
+def inherited_env() -> dict[str, str]:
+    """The environment this worker process started with (what `ray start` ran with on the node).
+
+    Ray changes os.environ after start-up (OMP_NUM_THREADS=<CPUs>, CUDA_VISIBLE_DEVICES); the
+    initial block in /proc/self/environ shows what the user had set, which must not be overwritten
+    silently.
+    """
+    try:
+        raw = Path("/proc/self/environ").read_bytes()
+    except OSError:
+        return dict(os.environ)
+    env = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            env[key.decode(errors="replace")] = value.decode(errors="replace")
+    return env
+
+
+def port_is_free(port: int) -> bool:
+    """Whether a TCP listener could bind `port` on every interface now (IPv4, and IPv6 if present)."""
+    families = [socket.AF_INET] + ([socket.AF_INET6] if socket.has_ipv6 else [])
+    for fam in families:
+        with socket.socket(fam, socket.SOCK_STREAM) as s:
+            try:
+                if fam == socket.AF_INET6:
+                    s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+                s.bind(("::" if fam == socket.AF_INET6 else "0.0.0.0", port))
+            except OSError as e:
+                if fam == socket.AF_INET6 and e.errno != errno.EADDRINUSE:  # no IPv6 here: IPv4 decides
+                    continue
+                return False
+    return True
+
+
+def ephemeral_range() -> tuple[int, int] | None:
+    try:
+        lo, hi = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(lo), int(hi)
+    except (OSError, ValueError):
+        return None
+
+
+REPLACED_EXIT_TIMEOUT_S = 30.0
+
+
+def wait_gone(pid: int, timeout_s: float) -> bool:
+    """Wait for process `pid` on this node to exit (a zombie has exited); False on timeout."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process_state(pid) in (None, "Z"):
+            return True
+        time.sleep(0.02)
+    return False

@@ -1,0 +1,62 @@
+"""In a warm spare (driver/spares.py): the rank's env, then the imports its rank will need, before the
+rank it replaces has failed."""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+from ..core.refs import split_ref
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    """The imports' warnings were printed by the attempt's ranks already: keep them out of the logs."""
+    saved = [os.dup(1), os.dup(2)]
+    null = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(null, 1)
+        os.dup2(null, 2)
+        yield
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (*saved, null):
+            os.close(fd)
+
+
+def warm(env: dict[str, str], steps: tuple[str, ...]) -> dict[str, Any]:
+    """In the spare: the rank's env first (OpenMP and CUDA read theirs when they load), then the
+    imports. An import that fails is left to the rank, which reports it with its traceback."""
+    os.environ.update(env)
+    # torch.cuda.is_available() through NVML, as a check at import must not create a CUDA context
+    # beside the running rank's on this GPU.
+    nvml_check = "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ
+    if nvml_check:
+        os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    t0 = time.monotonic()
+    failed: dict[str, str] = {}
+    try:
+        with _quiet():
+            for step in steps:
+                module, func = split_ref(step)
+                try:
+                    loaded = importlib.import_module(module)
+                    if func:
+                        getattr(loaded, func)()
+                except Exception as e:
+                    failed[step] = f"{type(e).__name__}: {e}".splitlines()[0]
+    finally:
+        if nvml_check:
+            os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
+    torch = sys.modules.get("torch")
+    return {
+        "seconds": round(time.monotonic() - t0, 2),
+        "failed": failed,
+        "cuda_initialized": bool(torch is not None and torch.cuda.is_initialized()),
+    }

@@ -1,0 +1,93 @@
+"""The package's shape, kept: no import cycle, a core that imports neither Ray nor torch, modules and
+classes small enough to read (450 and 250 lines)."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from .conftest import REPO
+
+PKG = REPO / "launcher"
+MAX_MODULE_LINES = 450
+MAX_CLASS_LINES = 250
+
+
+def _module_name(path: Path) -> str:
+    parts = path.relative_to(REPO).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path) -> set[str]:
+    """Modules of this package that `path` imports, at module level or inside functions."""
+    here = _module_name(path).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("launcher"))
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            module = ".".join([*base, *(node.module.split(".") if node.module else [])])
+            if not module.startswith("launcher"):
+                continue
+            found.add(module)
+            found.update(f"{module}.{a.name}" for a in node.names)  # `from . import placement`
+    return found
+
+
+def _graph() -> dict[str, set[str]]:
+    modules = {_module_name(p): p for p in PKG.rglob("*.py")}
+    return {name: {m for m in _imports(path) if m in modules and m != name} for name, path in modules.items()}
+
+
+def test_no_import_cycle_between_modules():
+    graph = _graph()
+    state: dict[str, int] = {}
+    path: list[str] = []
+
+    def visit(m: str) -> None:
+        state[m] = 1
+        path.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                raise AssertionError("import cycle: " + " -> ".join([*path[path.index(n) :], n]))
+            if n not in state:
+                visit(n)
+        path.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m)
+
+
+def test_core_imports_only_core_and_never_ray_or_torch():
+    graph = _graph()
+    for m, deps in graph.items():
+        if m.startswith("launcher.core"):
+            outside = sorted(d for d in deps if not d.startswith("launcher.core"))
+            assert not outside, f"{m} imports {outside}"
+    core = [_module_name(p) for p in (PKG / "core").glob("*.py")]
+    code = (
+        "import importlib, sys\n"
+        f"for m in {core!r}: importlib.import_module(m)\n"
+        "heavy = sorted(m for m in sys.modules if m.split('.')[0] in ('ray', 'torch', 'megatron'))\n"
+        "assert not heavy, heavy"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_modules_and_classes_stay_readable():
+    too_long = []
+    for path in PKG.rglob("*.py"):
+        text = path.read_text()
+        if (n := len(text.splitlines())) > MAX_MODULE_LINES:
+            too_long.append(f"{path.relative_to(REPO)}: {n} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.ClassDef) and (n := node.end_lineno - node.lineno + 1) > MAX_CLASS_LINES:
+                too_long.append(f"{path.relative_to(REPO)}: class {node.name} {n} lines")
+    assert not too_long, too_long

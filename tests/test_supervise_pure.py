@@ -1,0 +1,197 @@
+"""Supervision and the restart loop against a fake gang and a fake clock: no Ray, no processes.
+
+The fake gang answers `wait` from a script of (seconds, rank, outcome) and moves the clock as the
+real wait would, so root-cause choice, hang timing, signals and restarts are tested in milliseconds.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from launcher.core.errors import Interrupted, RankFailedError, RankFailure
+from launcher.driver.launch import run_attempts
+from launcher.driver.supervise import ROOT_CAUSE_WINDOW_S, STARTUP_GRACE_S, StopSignal, supervise
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def failure(rank: int, kind: str, at: float, summary: str = "") -> RankFailure:
+    return RankFailure(rank, "10.0.0.1", "h", str(rank), kind, summary or f"rank {rank} {kind}", at=at)
+
+
+class FakeGang:
+    """Refs are rank numbers; `script[rank] = (seconds, ok, value)` says when and how each ends."""
+
+    def __init__(self, clock: Clock, script: dict[int, tuple[float, bool, object]], world_size: int = 3):
+        self.clock, self.script, self.world_size = clock, script, world_size
+        self.waits: list[tuple[int, float]] = []
+        self.hang_inspected_at: float | None = None
+        self.hang_summary = "no output; process stopped (SIGSTOP)"
+
+    def refs(self) -> list[int]:
+        return list(range(self.world_size))
+
+    def _ready(self, refs: list[int]) -> list[int]:
+        return [r for r in refs if r in self.script and self.script[r][0] <= self.clock.now]
+
+    def wait(self, refs: list, num_returns: int, timeout_s: float) -> tuple[list, list]:
+        self.waits.append((num_returns, timeout_s))
+        ends = sorted(
+            self.script[r][0] for r in refs if r in self.script and self.script[r][0] > self.clock.now
+        )
+        if len(self._ready(refs)) < num_returns:  # the real wait blocks until enough are ready or timeout
+            wanted = num_returns - len(self._ready(refs))
+            until = ends[wanted - 1] if len(ends) >= wanted else float("inf")
+            self.clock.now = min(self.clock.now + timeout_s, until)
+        done = self._ready(refs)[:num_returns]
+        return done, [r for r in refs if r not in done]
+
+    def outcome(self, ref: int, rank: int) -> tuple[bool, object]:
+        _, ok, value = self.script[ref]
+        return ok, value
+
+    def inspect_hang(self, idle_s: float) -> list[RankFailure]:
+        self.hang_inspected_at = self.clock.now
+        return [failure(0, "hung", self.clock.now, self.hang_summary)]
+
+
+class FakeRelay:
+    def __init__(self, clock: Clock, writes_at: list[float] = ()):
+        self.clock, self.writes_at = clock, sorted(writes_at)
+        self.writes_seen, self.last_activity = 0, 0.0
+        self.pumps: list[float] = []
+
+    def pump(self, wait_s: float = 0.0) -> None:
+        self.pumps.append(wait_s)
+        seen = [t for t in self.writes_at if t <= self.clock.now]
+        if len(seen) != self.writes_seen:
+            self.writes_seen, self.last_activity = len(seen), seen[-1]
+
+
+def test_every_rank_returning_gives_the_values_by_rank():
+    clock = Clock()
+    gang = FakeGang(clock, {0: (1.0, True, "a"), 1: (3.0, True, "b"), 2: (2.0, True, "c")})
+    ticks = []
+    assert supervise(gang, gang.refs(), StopSignal(), tick=lambda: ticks.append(1), clock=clock) == (
+        "a",
+        "b",
+        "c",
+    )
+    assert ticks  # the spares are tended on every turn
+
+
+def test_a_dead_rank_is_the_root_cause_over_peers_that_failed_just_after_it():
+    clock = Clock()
+    died = failure(2, "died", at=5.00)
+    peer = failure(
+        0, "exception", at=4.99, summary="RuntimeError: Connection reset by peer"
+    )  # reported first
+    late = failure(1, "exception", at=9.0)
+    gang = FakeGang(clock, {0: (5.0, False, peer), 2: (5.05, False, died), 1: (9.0, False, late)})
+    relay = FakeRelay(clock)
+    with pytest.raises(RankFailedError) as e:
+        supervise(gang, gang.refs(), StopSignal(), relay=relay, clock=clock)
+    assert e.value.root.rank == 2 and "died" in e.value.root.kind
+    assert [f.rank for f in e.value.failures] == [2, 0]  # rank 1 failed after the window: not waited for
+    assert (2, ROOT_CAUSE_WINDOW_S) in gang.waits
+    assert relay.pumps[-1] == 2.0  # the failing rank's last lines are fetched before the report
+
+
+def test_silence_is_a_hang_only_after_the_startup_grace_then_after_the_timeout():
+    clock = Clock()
+    gang = FakeGang(clock, {})  # nobody ever ends
+    with pytest.raises(RankFailedError) as e:
+        supervise(gang, gang.refs(), StopSignal(), relay=FakeRelay(clock), hang_timeout_s=5, clock=clock)
+    assert STARTUP_GRACE_S < gang.hang_inspected_at <= STARTUP_GRACE_S + 0.5  # before any output: the grace
+    assert e.value.root.kind == "hung"
+
+    clock = Clock()
+    gang = FakeGang(clock, {})
+    relay = FakeRelay(clock, writes_at=[1.0, 4.0, 8.0])  # never 5 s apart until the last
+    with pytest.raises(RankFailedError):
+        supervise(gang, gang.refs(), StopSignal(), relay=relay, hang_timeout_s=5, clock=clock)
+    assert 13.0 < gang.hang_inspected_at <= 13.5  # 5 s after the last line
+
+
+def test_no_relay_or_a_zero_timeout_never_reports_a_hang():
+    for relay_on, timeout in ((False, 5.0), (True, 0.0)):
+        clock = Clock()
+        gang = FakeGang(clock, {0: (500.0, True, 0), 1: (500.0, True, 1), 2: (500.0, True, 2)})
+        relay = FakeRelay(clock) if relay_on else None
+        assert supervise(gang, gang.refs(), StopSignal(), relay=relay, hang_timeout_s=timeout, clock=clock)
+        assert gang.hang_inspected_at is None
+
+
+def test_a_hang_read_by_faulthandler_waits_for_the_stacks_to_reach_the_logs():
+    clock = Clock()
+    gang = FakeGang(clock, {})
+    gang.hang_summary = "no output; stack read by faulthandler (see the rank's log)"
+    relay = FakeRelay(clock, writes_at=[1.0])
+    with pytest.raises(RankFailedError):
+        supervise(gang, gang.refs(), StopSignal(), relay=relay, hang_timeout_s=5, clock=clock)
+    assert relay.pumps[-1] == 2.0
+
+
+def test_a_stop_signal_interrupts_with_the_shell_exit_code():
+    clock = Clock()
+    gang = FakeGang(clock, {})
+    stop = StopSignal()
+    stop.signum = signal.SIGTERM
+    with pytest.raises(Interrupted) as e:
+        supervise(gang, gang.refs(), stop, clock=clock)
+    assert e.value.exit_code == 143
+
+
+class FakeAttempt:
+    def __init__(self, number: int, spares, fails: bool, events: list, adopted: bool = False):
+        self.number, self.spares_in, self.fails, self.events = number, spares, fails, events
+        self.adopted = adopted
+
+    def execute(self):
+        self.events.append(("execute", self.number, self.spares_in))
+        if self.fails:
+            raise RankFailedError([failure(1, "died", at=float(self.number))], 2)
+        return f"result of attempt {self.number}"
+
+    def hand_over(self):
+        self.events.append(("hand_over", self.number))
+        return f"spares of attempt {self.number}"
+
+    def teardown(self):
+        self.events.append(("teardown", self.number))
+
+
+def test_restarts_hand_the_spares_over_before_teardown_and_record_each_restart(capsys):
+    events: list = []
+    restarts: list = []
+
+    def new_attempt(k, spares):
+        return FakeAttempt(k, spares, fails=k < 2, events=events, adopted=spares is not None)
+
+    assert run_attempts(2, new_attempt, restarts, 60.0) == "result of attempt 2"
+    assert events == [
+        ("execute", 0, None), ("hand_over", 0), ("teardown", 0),
+        ("execute", 1, "spares of attempt 0"), ("hand_over", 1), ("teardown", 1),
+        ("execute", 2, "spares of attempt 1"), ("teardown", 2),
+    ]  # fmt: skip
+    assert [(r["attempt"], r["warm_spares"]) for r in restarts] == [(1, True), (2, True)]
+    assert all("rank 1 on 10.0.0.1 (h) failed" in r["cause"] for r in restarts)
+    assert capsys.readouterr().err.count("Root cause (first failure):") == 2  # each failure's report
+
+
+def test_the_last_failure_is_raised_once_restarts_run_out():
+    events: list = []
+    restarts: list = []
+    with pytest.raises(RankFailedError) as e:
+        run_attempts(1, lambda k, s: FakeAttempt(k, s, fails=True, events=events), restarts, 60.0)
+    assert e.value.root.at == 1.0  # attempt 1's failure
+    assert [ev for ev in events if ev[0] == "teardown"] == [("teardown", 0), ("teardown", 1)]
+    assert ("hand_over", 1) not in events and len(restarts) == 1
