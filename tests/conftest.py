@@ -44,7 +44,7 @@ def leftovers(job: str, wait_s: float = 10.0) -> tuple[list[str], list[str]]:
     while True:
         actors = [
             a.name
-            for a in list_actors(filters=[("state", "!=", "DEAD")], limit=10000)
+            for a in list_actors(address=connected(), filters=[("state", "!=", "DEAD")], limit=10000)
             if (a.name or "").startswith(job + "-")
         ]
         groups = [
@@ -55,6 +55,14 @@ def leftovers(job: str, wait_s: float = 10.0) -> tuple[list[str], list[str]]:
         if (not actors and not groups) or time.monotonic() > deadline:
             return actors, groups
         time.sleep(0.2)
+
+
+def connected() -> str:
+    """The address of the cluster this process is connected to: state-API calls without one go to
+    whatever cluster Ray's temp dir names last (a `ray start` long gone, or another test's)."""
+    import ray
+
+    return ray.get_runtime_context().gcs_address
 
 
 def free_port() -> int:

@@ -13,7 +13,7 @@ SEEN = (
     "ROLE_RANK", "ROLE_NAME", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
     "TORCHELASTIC_RESTART_COUNT", "TORCHELASTIC_MAX_RESTARTS", "OMP_NUM_THREADS",
     "TORCH_NCCL_ASYNC_ERROR_HANDLING", "CUDA_VISIBLE_DEVICES", "FI_PROVIDER", "NCCL_DEBUG", "NCCL_BUFFSIZE",
-    "MEGARAY_TEST_FLAG",
+    "MEGARAY_TEST_FLAG", "PWD",
 )  # fmt: skip
 
 
@@ -43,6 +43,7 @@ def dump_env():
             "argv": sys.argv,
             "torch_preloaded": "torch" in sys.modules,
             "pid": os.getpid(),
+            "cwd": os.getcwd(),
         },
     )
     return int(os.environ["RANK"])

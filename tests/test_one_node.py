@@ -67,6 +67,7 @@ def test_two_cpu_ranks_get_the_torchrun_contract_and_all_reduce(out, capsys):
         assert (e["OMP_NUM_THREADS"], e["TORCH_NCCL_ASYNC_ERROR_HANDLING"]) == ("1", "1")
         assert e["CUDA_VISIBLE_DEVICES"] == ""  # CPU mode: no GPU is visible to the program
         assert s["argv"] == ["tests.targets", "a", "--b"]
+        assert e["PWD"] == s["cwd"] == str(REPO)  # as a shell sets it, not the `ray start` folder
         assert not s["torch_preloaded"]
     assert seen[0]["env"]["MASTER_ADDR"] == seen[1]["env"]["MASTER_ADDR"]
     port = int(seen[0]["env"]["MASTER_PORT"])
@@ -282,3 +283,30 @@ def test_each_env_profile_reaches_every_rank(profile, tmp_path):
 def test_the_torchrun_example_runs_unchanged(capfd):
     assert launch("example", "--device", "cpu", "--gpus-per-node", "2", "examples/torchrun_script.py",
                   "--steps", "2") == 0  # fmt: skip
+
+
+def test_runs_dir_that_is_a_file_exits_2_at_once(tmp_path, capsys):
+    blocker = tmp_path / "afile"
+    blocker.write_text("")
+    assert launch("runsfile", "--runs-dir", str(blocker), "--dry-run") == 2
+    err = capsys.readouterr().err
+    assert f"--runs-dir {blocker} is not a folder" in err and "Traceback" not in err
+
+
+def test_a_running_jobs_name_is_refused_and_run_directories_are_never_shared(tmp_path, capsys):
+    from launcher import RankGroup
+
+    runs = ["--runs-dir", str(tmp_path), "--device", "cpu", "--entrypoint", "tests.targets:whoami"]
+    with RankGroup(device="cpu", job_name="dupname"):
+        assert launch("dupname", *runs) == 2
+        err = capsys.readouterr().err
+        assert "job name dupname is in use on this cluster (placement group dupname-node0 exists)" in err
+    assert launch("dupname", *runs) == 0
+    assert launch("dupname", *runs) == 0
+    first, second = tmp_path / "dupname", tmp_path / "dupname.1"
+    assert json.loads((first / "summary.json").read_text())["status"] == "error"  # the refused launch
+    assert json.loads((second / "summary.json").read_text())["status"] == "succeeded"
+    assert (tmp_path / "dupname.2" / "summary.json").exists()
+    # each rank's whole environment is in there: private to the user
+    assert (second.stat().st_mode & 0o777, (second / "env.json").stat().st_mode & 0o777) == (0o700, 0o600)
+    assert leftovers("dupname") == ([], [])

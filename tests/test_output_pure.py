@@ -50,6 +50,7 @@ def test_the_sink_prefixes_lines_keeps_partial_ones_and_picks_console_ranks(tmp_
         "[r2 n1] half a line",
     ]
     assert (tmp_path / "rank-3.log").read_text() == "[r3 n1] no newline at the end\n"
+    assert (tmp_path / "rank-3.log").stat().st_mode & 0o777 == 0o600  # rank output can hold secrets
 
 
 def test_megatron_log_line_is_parsed():
@@ -142,3 +143,22 @@ def test_bus_bandwidth_and_slow_nodes():
     assert bus_bandwidth(1 << 20, 0.01, 1) == 0.0
     assert slow_nodes({0: 100.0, 1: 98.0, 2: 30.0, 3: 101.0}) == [2]
     assert slow_nodes({0: 5.0}) == []
+
+
+def test_credentials_inside_values_are_redacted_whatever_the_name():
+    from launcher.core.rankenv import redact
+
+    env = {
+        "DATABASE_URL": "postgres://user:s3cret@db:5432/app",
+        "BROKER": "redis://:pw@h:6379/0",
+        "HEADER": "Authorization: Bearer abc.def-123",
+        "PLAIN": "https://example.org/x?a=1",
+        "HF_TOKEN": "hf_abc",
+    }
+    assert redact(env) == {
+        "DATABASE_URL": "postgres://user:<redacted>@db:5432/app",
+        "BROKER": "redis://:<redacted>@h:6379/0",
+        "HEADER": "Authorization: Bearer <redacted>",
+        "PLAIN": "https://example.org/x?a=1",
+        "HF_TOKEN": "<redacted>",
+    }

@@ -18,7 +18,7 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
 
-from .conftest import REPO, free_port, leftovers
+from .conftest import REPO, connected, free_port, leftovers
 
 pytestmark = pytest.mark.slow
 
@@ -168,7 +168,7 @@ def test_a_stopped_rank_is_reported_as_a_hang_with_stacks(cluster, tmp_path):
 
 def _node_of_rank(cluster, runs: Path, job: str, rank: int):
     ip_pid = json.loads((runs / job / "topology.json").read_text())["ranks"][rank]["pid"]
-    node_id = next(a.node_id for a in list_actors(filters=[("pid", "=", ip_pid)]))
+    node_id = next(a.node_id for a in list_actors(address=connected(), filters=[("pid", "=", ip_pid)]))
     return next(n for n in cluster.worker_nodes if n.node_id == node_id)
 
 
@@ -206,7 +206,7 @@ def test_a_lost_node_that_never_returns_fails_clearly(cluster, tmp_path):
 def wait_for_spares(job: str, count: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        alive = list_actors(filters=[("state", "=", "ALIVE")], limit=10000)
+        alive = list_actors(address=connected(), filters=[("state", "=", "ALIVE")], limit=10000)
         if sum((a.name or "").startswith(f"{job}-a1-rank") for a in alive) == count:
             return
         assert proc.poll() is None, proc.communicate()[0][-4000:]

@@ -118,12 +118,24 @@ def is_secret(name: str) -> bool:
     return bool(_SECRET.search(name))
 
 
+# Credentials inside values whatever the name: `scheme://user:password@host` and bearer tokens.
+_URL_PASSWORD = re.compile(r"(?P<head>[A-Za-z][A-Za-z0-9+.-]*://[^:/@\s]*:)[^@\s]+(?=@)")
+_BEARER = re.compile(r"(?P<head>\bBearer\s+)[A-Za-z0-9._~+/=-]+", re.IGNORECASE)
+
+
+def redact_value(value: str) -> str:
+    """`value` with embedded credentials replaced: the password of a URL, a bearer token."""
+    value = _URL_PASSWORD.sub(lambda m: m.group("head") + REDACTED, value)
+    return _BEARER.sub(lambda m: m.group("head") + REDACTED, value)
+
+
 def redact(env: Mapping[str, str]) -> dict[str, str]:
-    return {k: (REDACTED if is_secret(k) else v) for k, v in env.items()}
+    """Values of secret-looking names replaced whole; credentials embedded in other values replaced."""
+    return {k: (REDACTED if is_secret(k) else redact_value(v)) for k, v in env.items()}
 
 
 def _shown(key: str, value: str) -> str:
-    return REDACTED if is_secret(key) else repr(value)
+    return REDACTED if is_secret(key) else repr(redact_value(value))
 
 
 def decide_env(

@@ -126,6 +126,8 @@ class RankGang:
         if (spares is not None and self._adopt(spares)) or self._share_host():
             self.mark("placed")
             return
+        if self.attempt == 0:
+            placement.check_name_free(spec.job_name)
         problem = placement.feasibility_problem(spec)
         if problem and self.fixed_size:
             raise placement.resource_error(spec, 0, problem, placement.describe_nodes(), can_grow=False)
@@ -283,30 +285,7 @@ class RankGang:
         )  # fmt: skip
 
     def inspect_hang(self, idle_s: float) -> list[RankFailure]:
-        """Every rank's state and stack, read by a task on its node; one failure per rank."""
-        from ..core.hang import hang_failures
-        from ..rank.probes import inspect_processes
-
-        log.error("no output or progress from any rank for %.0fs: reading every rank's stack", idle_s)
-        by_node: dict[str, list[int]] = {}
-        for h in self.handles:
-            by_node.setdefault(h.report.node_id, []).append(h.slot.rank)
-        task = ray.remote(inspect_processes)
-        refs = {
-            node: task.options(**on_node(node)).remote([self.handles[r].report.pid for r in ranks])
-            for node, ranks in by_node.items()
-        }
-        seen: dict[int, dict[str, Any]] = {}
-        for node, ref in refs.items():
-            try:
-                for r, found in zip(by_node[node], ray.get(ref, timeout=60), strict=True):
-                    seen[r] = found
-            except ray.exceptions.RayError as e:
-                log.warning("could not inspect the ranks on node %s: %s", node[:8], first_line(e))
-        for r in sorted(seen):
-            if seen[r].get("stack"):
-                log.error("stack of rank %d (pid %s):\n%s", r, seen[r]["pid"], seen[r]["stack"].rstrip())
-        return hang_failures(idle_s, [dataclasses.asdict(i) for i in self.ranks], seen)
+        return inspect_hang(self.handles, idle_s)
 
     # -- end --------------------------------------------------------------------------------------
     def teardown(self, *, keep_groups: bool = False) -> None:
@@ -340,3 +319,30 @@ def log_env(handles: tuple[RankHandle, ...]) -> None:
             notes.setdefault(note, []).append(h.slot.rank)
     for note, ranks in notes.items():
         log.warning("env on rank(s) %s: %s", format_rank_ranges(ranks), note)
+
+
+def inspect_hang(handles: tuple[RankHandle, ...], idle_s: float) -> list[RankFailure]:
+    """Every rank's state and stack, read by a task on its node; one failure per rank."""
+    from ..core.hang import hang_failures
+    from ..rank.probes import inspect_processes
+
+    log.error("no output or progress from any rank for %.0fs: reading every rank's stack", idle_s)
+    by_node: dict[str, list[int]] = {}
+    for h in handles:
+        by_node.setdefault(h.report.node_id, []).append(h.slot.rank)
+    task = ray.remote(inspect_processes)
+    refs = {
+        node: task.options(**on_node(node)).remote([handles[r].report.pid for r in ranks])
+        for node, ranks in by_node.items()
+    }
+    seen: dict[int, dict[str, Any]] = {}
+    for node, ref in refs.items():
+        try:
+            for r, found in zip(by_node[node], ray.get(ref, timeout=60), strict=True):
+                seen[r] = found
+        except ray.exceptions.RayError as e:
+            log.warning("could not inspect the ranks on node %s: %s", node[:8], first_line(e))
+    for r in sorted(seen):
+        if seen[r].get("stack"):
+            log.error("stack of rank %d (pid %s):\n%s", r, seen[r]["pid"], seen[r]["stack"].rstrip())
+    return hang_failures(idle_s, [dataclasses.asdict(h.info) for h in handles], seen)

@@ -139,7 +139,7 @@ def run_attempts(
             if number >= max_restarts:
                 raise
             k = number + 1
-            e.ending = f"Every rank is stopped and relaunched (restart {k} of {max_restarts})."
+            e.ending = "Every rank is being stopped; the whole group is relaunched (see below)."
             print(e.report(), file=sys.stderr, flush=True)
             restarts.append({"attempt": k, "cause": str(e), "at": time.time()})
             spares = attempt.hand_over()

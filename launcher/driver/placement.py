@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import re
 from collections.abc import Mapping
 
 import ray
@@ -13,7 +14,7 @@ from ray.util.placement_group import (
     remove_placement_group,
 )
 
-from ..core.errors import ResourceError
+from ..core.errors import ResourceError, UsageError
 from ..core.spec import LaunchSpec
 from ..core.topology import NodeSlot
 
@@ -60,6 +61,26 @@ def feasibility_problem(spec: LaunchSpec) -> str | None:
     if fit >= spec.nodes:
         return None
     return f"only {fit} node(s) of the cluster can hold one group"
+
+
+def groups_of_job(job: str) -> list[str]:
+    """Live placement groups that a launch named `job` creates (`job-node<i>`, `job-a<k>-node<i>`)."""
+    mine = re.compile(rf"^{re.escape(job)}(-a\d+)?-node\d+$")
+    return sorted(
+        g["name"]
+        for g in placement_group_table().values()
+        if mine.match(g["name"]) and g["state"] != "REMOVED"
+    )
+
+
+def check_name_free(job: str) -> None:
+    """A second launch under a running job's name would collide with its groups and actors."""
+    taken = groups_of_job(job)
+    if taken:
+        raise UsageError(
+            f"job name {job} is in use on this cluster (placement group {taken[0]} exists): choose another "
+            f"--job-name, or stop that job first (Ctrl-C its driver, or `megaray stop {job}` for a Ray job)"
+        )
 
 
 def create_groups(spec: LaunchSpec, name: str | None = None) -> list[PlacementGroup]:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from pathlib import Path
 from typing import Any
@@ -53,7 +54,8 @@ class OutputSink:
         tag = prefix(rank, self.node_of_rank[rank])
         f = self.files.get(rank)
         if f is None:
-            f = self.files[rank] = open(self.dir / f"rank-{rank}.log", "a", buffering=1)  # noqa: SIM115
+            fd = os.open(self.dir / f"rank-{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+            f = self.files[rank] = open(fd, "a", buffering=1)  # noqa: SIM115
         f.write("".join(tag + ln + "\n" for ln in lines))
         for ln in lines:
             record = parse_megatron_line(ln)

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ..core.errors import UsageError
 from ..core.rankenv import redact
 
 
@@ -37,15 +39,37 @@ def spec_record(spec: Any) -> dict[str, Any]:
     return record
 
 
+def private_dir(root: Path) -> Path:
+    """A new folder only this user can read: `root`, or `root.1`, `root.2`, ... when a launch of the
+    same job name left one, so that no two launches ever share a run directory."""
+    path, n = root, 0
+    while True:
+        try:
+            path.mkdir(parents=True, mode=0o700)
+            return path
+        except FileExistsError:
+            n += 1
+            path = root.with_name(f"{root.name}.{n}")
+        except NotADirectoryError:
+            raise UsageError(
+                f"--runs-dir {root.parent} is not a folder (a file is in the way); give a folder path, "
+                "or leave --runs-dir out for ./runs"
+            ) from None
+
+
 class RunDir:
+    """Files are written whole (a reader never sees half a file) and private to the user: they hold
+    each rank's environment."""
+
     def __init__(self, root: Path):
-        self.path = root
-        self.path.mkdir(parents=True, exist_ok=True)
+        self.path = private_dir(root)
         self.started = time.time()
 
     def write_json(self, name: str, data: Any) -> None:
         tmp = self.path / f".{name}.tmp"
-        tmp.write_text(json.dumps(_jsonable(data), indent=2) + "\n")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps(_jsonable(data), indent=2) + "\n")
         tmp.replace(self.path / name)
 
     def write_spec(self, spec: Any) -> None:
@@ -54,6 +78,7 @@ class RunDir:
     def write_config(self, cfg: Any) -> None:
         """The resolved Megatron-Bridge config, as bridge itself writes it."""
         cfg.to_yaml(str(self.path / "config.yaml"))
+        os.chmod(self.path / "config.yaml", 0o600)
 
     def write_topology(self, master: tuple[str, int], ranks: list[dict[str, Any]]) -> None:
         self.write_json("topology.json", {"master_addr": master[0], "master_port": master[1], "ranks": ranks})

@@ -154,6 +154,7 @@ def run_target(target: Target, cwd: str) -> Any:
     """Run the target as torchrun would: scripts and modules as `__main__` with sys.argv set."""
     if os.path.isdir(cwd):
         os.chdir(cwd)
+        os.environ["PWD"] = cwd  # as a shell sets it: the node's `ray start` folder otherwise
     if target.kind is TargetKind.DRYRUN:
         from ..megatron.dryrun import check_and_train
 
