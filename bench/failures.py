@@ -113,7 +113,9 @@ def once(cluster, scenario: str, job: str, hang_timeout: float) -> tuple[float, 
         else:
             from ray.util.state import list_actors
 
-            node_id = next(a.node_id for a in list_actors(address=cluster.address, filters=[("pid", "=", pids[1])]))
+            node_id = next(
+                a.node_id for a in list_actors(address=cluster.address, filters=[("pid", "=", pids[1])])
+            )
             cluster.remove_node(next(n for n in cluster.worker_nodes if n.node_id == node_id))
         gone = None
         while gone is None or p.poll() is None:

@@ -1,6 +1,7 @@
 """Benchmark targets that import nothing heavy, so the launcher's own cost is what gets measured."""
 
 import os
+import signal
 import sys
 import time
 
@@ -13,8 +14,17 @@ def cpu_seconds() -> float:
 
 
 def wait_forever() -> None:
-    """Write this rank's pid to <argv[1]>/pid-<rank>, then block until killed."""
+    """Write this rank's pid to <argv[1]>/pid-<rank>, then block until killed. With a second argument
+    S, a SIGTERM handler takes S seconds before exiting, as a checkpoint-on-SIGTERM would."""
     out = sys.argv[1]
+    if len(sys.argv) > 2:
+        seconds = float(sys.argv[2])
+
+        def handler(signum, frame):
+            time.sleep(seconds)
+            sys.exit(128 + signum)
+
+        signal.signal(signal.SIGTERM, handler)
     with open(os.path.join(out, f"pid-{os.environ['RANK']}"), "w") as f:
         f.write(str(os.getpid()))
     time.sleep(3600)

@@ -1,7 +1,11 @@
 """Failure teardown against torchrun: SIGKILL one rank, then time until every rank process is gone
 and (megaray) every actor and placement group of the job is removed and the driver has exited.
 
-    python bench/teardown.py --ranks 4 --repeats 3
+Both launchers send the surviving ranks SIGTERM first. Ranks without a handler of their own end on
+it at once; with `--handler-s S` a second round runs ranks whose SIGTERM handler takes S seconds
+(a checkpoint on SIGTERM), which both launchers must wait for.
+
+    python bench/teardown.py --ranks 4 --repeats 3 --handler-s 0.5
 """
 
 from __future__ import annotations
@@ -32,11 +36,12 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def once(cmd: list[str], ranks: int, job_groups=None) -> tuple[float, float]:
+def once(cmd: list[str], ranks: int, job_groups=None, handler_s: float | None = None) -> tuple[float, float]:
     """(seconds from the kill to the last rank process gone, seconds to the driver's exit)."""
     out = Path(tempfile.mkdtemp(prefix="megaray-teardown-"))
     env = {**clean_env(), "BENCH_OUT": str(out)}
-    p = subprocess.Popen([*cmd, TARGET, str(out)], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+    extra = [] if handler_s is None else [str(handler_s)]
+    p = subprocess.Popen([*cmd, TARGET, str(out), *extra], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
                          stderr=subprocess.DEVNULL)  # fmt: skip
     try:
         deadline = time.monotonic() + 300
@@ -70,9 +75,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--handler-s", type=float, help="also time ranks whose SIGTERM handler takes this long"
+    )
     args = parser.parse_args(argv)
     n = args.ranks
-    res: dict[str, list[tuple[float, float]]] = {"torchrun": [], "megaray": []}
+    handlers = [None] if args.handler_s is None else [None, args.handler_s]
+    res: dict[str, list[tuple[float, float]]] = {}
     with ray_cluster(nodes=1, cpus_per_node=n) as address:
         import ray
 
@@ -83,23 +92,28 @@ def main(argv: list[str] | None = None) -> dict:
                 return lambda: [g for g in ray.util.placement_group_table().values()
                                 if g["name"].startswith(job) and g["state"] != "REMOVED"]  # fmt: skip
 
-            for i in range(args.repeats):
-                res["torchrun"].append(
-                    once([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)], n)
-                )
-                job = f"teardown{i}"
-                cmd = [PY, str(REPO / "main.py"), "--address", address, "--job-name", job, "--device", "cpu",
-                       "--gpus-per-node", str(n), "--cpus-per-rank", "0.5"]  # fmt: skip
-                res["megaray"].append(once(cmd, n, groups(job)))
+            for h in handlers:
+                suffix = "" if h is None else f" (SIGTERM handler {h:g}s)"
+                for i in range(args.repeats):
+                    torchrun = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)]
+                    res.setdefault("torchrun" + suffix, []).append(once(torchrun, n, handler_s=h))
+                    job = f"teardown{'h' if h else ''}{i}"
+                    cmd = [PY, str(REPO / "main.py"), "--address", address, "--job-name", job, "--device",
+                           "cpu", "--gpus-per-node", str(n), "--cpus-per-rank", "0.5"]  # fmt: skip
+                    res.setdefault("megaray" + suffix, []).append(once(cmd, n, groups(job), handler_s=h))
         finally:
             ray.shutdown()
     print(f"{n} ranks, SIGKILL of rank 1 (seconds, median of {args.repeats}):", flush=True)
     for name, runs in res.items():
-        what = "ranks gone + groups removed" if name == "megaray" else "ranks gone"
+        what = "ranks gone + groups removed" if name.startswith("megaray") else "ranks gone"
         gone, exited = summary([r[0] for r in runs]), summary([r[1] for r in runs])
         print(f"  {name:9s} {what}: {gone}; driver exited: {exited}")
-    ratio = median([r[0] for r in res["megaray"]]) / median([r[0] for r in res["torchrun"]])
-    print(f"  megaray/torchrun (ranks gone): {ratio:.2f}", flush=True)
+    for h in handlers:
+        suffix = "" if h is None else f" (SIGTERM handler {h:g}s)"
+        ratio = median([r[0] for r in res["megaray" + suffix]]) / median(
+            [r[0] for r in res["torchrun" + suffix]]
+        )
+        print(f"  megaray/torchrun (ranks gone){suffix}: {ratio:.2f}", flush=True)
     return res
 
 

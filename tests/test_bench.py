@@ -39,9 +39,15 @@ def test_control_plane_reports_each_phase(capsys):
 def test_teardown_measures_both_launchers(capsys):
     import teardown
 
-    results = teardown.main(["--ranks", "2", "--repeats", "1"])
-    assert all(gone > 0 for gone, _ in results["megaray"] + results["torchrun"])
-    assert "megaray/torchrun" in capsys.readouterr().out
+    results = teardown.main(["--ranks", "2", "--repeats", "1", "--handler-s", "0.5"])
+    assert all(gone > 0 for runs in results.values() for gone, _ in runs)
+    handled = results["megaray (SIGTERM handler 0.5s)"][0][0]
+    assert handled >= 0.5  # the surviving rank's handler ran to its end before the process went
+    out = capsys.readouterr().out
+    assert (
+        "megaray/torchrun (ranks gone): " in out
+        and "megaray/torchrun (ranks gone) (SIGTERM handler 0.5s)" in out
+    )
 
 
 def test_failures_times_rank_death_node_loss_and_a_hang(capsys):

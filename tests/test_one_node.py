@@ -310,3 +310,89 @@ def test_a_running_jobs_name_is_refused_and_run_directories_are_never_shared(tmp
     # each rank's whole environment is in there: private to the user
     assert (second.stat().st_mode & 0o777, (second / "env.json").stat().st_mode & 0o777) == (0o700, 0o600)
     assert leftovers("dupname") == ([], [])
+
+
+EXIT_PROBE = """
+import atexit, os, sys, threading, time
+out, rank = sys.argv[1], os.environ["RANK"]
+
+def later():
+    time.sleep(2)
+    open(os.path.join(out, f"thread-{rank}"), "w").write("done")
+
+threading.Thread(target=later).start()  # non-daemon: the interpreter waits for it at exit
+atexit.register(lambda: open(os.path.join(out, f"atexit-{rank}"), "w").write("done"))
+"""
+
+
+def test_ranks_end_like_processes_atexit_and_threads_run_as_under_torchrun(tmp_path, capsys):
+    import subprocess
+    import sys
+
+    script = tmp_path / "probe.py"
+    script.write_text(EXIT_PROBE)
+    for launcher in ("torchrun", "megaray"):
+        out = tmp_path / launcher
+        out.mkdir()
+        if launcher == "torchrun":
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+            assert subprocess.run([*cmd, str(script), str(out)], capture_output=True).returncode == 0
+        else:
+            args = [
+                "--device",
+                "cpu",
+                "--gpus-per-node",
+                "2",
+                "--runs-dir",
+                str(tmp_path),
+                str(script),
+                str(out),
+            ]
+            assert launch("exitprobe", *args) == 0
+        assert sorted(p.name for p in out.iterdir()) == ["atexit-0", "atexit-1", "thread-0", "thread-1"], (
+            launcher
+        )
+    assert leftovers("exitprobe") == ([], [])
+
+
+def test_a_process_still_exiting_after_the_grace_is_killed_and_named(tmp_path, capsys):
+    script = tmp_path / "stuck.py"
+    script.write_text("import threading, time\nthreading.Thread(target=time.sleep, args=(600,)).start()\n")
+    t0 = time.monotonic()
+    args = ["--device", "cpu", "--exit-grace", "1", "--runs-dir", str(tmp_path), str(script)]
+    assert launch("exitstuck", *args) == 0
+    assert time.monotonic() - t0 < 60
+    err = capsys.readouterr().err
+    assert "rank(s) 0 still running 1s after the program returned (thread Thread-1 (sleep)): killed" in err
+    assert leftovers("exitstuck") == ([], [])
+
+
+STOP_PROBE = """
+import os, signal, sys, time
+out, rank = sys.argv[1], int(os.environ["RANK"])
+if rank == 1:
+    time.sleep(1)
+    raise SystemExit(3)
+if len(sys.argv) > 2:  # a handler of its own, as Megatron-Bridge's checkpoint-on-SIGTERM
+    def handler(signum, frame):
+        open(os.path.join(out, "handled"), "w").write(str(signum))
+        sys.exit(143)
+    signal.signal(signal.SIGTERM, handler)
+open(os.path.join(out, "pid"), "w").write(str(os.getpid()))
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("own_handler", [False, True])
+def test_surviving_ranks_get_sigterm_before_the_kill(tmp_path, capsys, own_handler):
+    script = tmp_path / "stop.py"
+    script.write_text(STOP_PROBE)
+    out = tmp_path / "out"
+    out.mkdir()
+    args = ["--device", "cpu", "--gpus-per-node", "2", "--runs-dir", str(tmp_path), str(script), str(out)]
+    assert launch("stopprobe", *args, *(["handler"] if own_handler else [])) == 1
+    assert "exited with code 3" in capsys.readouterr().err
+    assert (out / "handled").exists() == own_handler  # the program's own handler ran before the kill
+    if own_handler:
+        assert (out / "handled").read_text() == str(int(signal.SIGTERM))
+    assert leftovers("stopprobe") == ([], [])

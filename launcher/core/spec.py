@@ -27,6 +27,11 @@ DEFAULT_PLACEMENT_TIMEOUT_S = 120.0
 # Well under NCCL's 10-minute collective timeout, so a hang is reported (with stacks) by megaray
 # first; long enough for checkpoint saves and data-index builds that print nothing.
 DEFAULT_HANG_TIMEOUT_S = 300.0
+# After the program returns, its process ends as Python's do (atexit handlers, non-daemon threads):
+# long enough for trackers to flush and uploads to finish.
+DEFAULT_EXIT_GRACE_S = 60.0
+# After a failure or a stop, surviving ranks get SIGTERM, then are killed after this (torchrun: 30 s).
+DEFAULT_KILL_GRACE_S = 5.0
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
@@ -52,6 +57,8 @@ class LaunchSpec:
     max_restarts: int = 0  # relaunches of the whole group after a failure, as torchrun --max-restarts
     hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S  # no rank output or progress this long: a hang; 0: off
     spares: bool = True  # with restarts left, warm spare actors wait in the bundles (spares.py)
+    exit_grace_s: float = DEFAULT_EXIT_GRACE_S  # a returned rank's process may finish its exit this long
+    kill_grace_s: float = DEFAULT_KILL_GRACE_S  # SIGTERM, then this long before the kill
 
     def __post_init__(self):
         if self.nodes < 1:
@@ -81,6 +88,9 @@ class LaunchSpec:
             raise ValueError(f"--max-restarts must be 0 or more, got {self.max_restarts}")
         if self.hang_timeout_s < 0:
             raise ValueError(f"--hang-timeout must be 0 (off) or more seconds, got {self.hang_timeout_s}")
+        for flag, value in (("--exit-grace", self.exit_grace_s), ("--kill-grace", self.kill_grace_s)):
+            if value < 0:
+                raise ValueError(f"{flag} must be 0 or more seconds, got {value}")
         if self.peak_tflops <= 0:
             raise ValueError(f"--peak-tflops must be above 0, got {self.peak_tflops}")
         if self.dry_run != (self.target.kind is TargetKind.DRYRUN):
@@ -202,6 +212,20 @@ def build_parser() -> argparse.ArgumentParser:
         "the rank's bundle, no resources of its own) so that a restart skips start-up; --no-spares saves "
         "their host memory (default on)",
     )
+    p.add_argument(
+        "--exit-grace",
+        type=float,
+        default=DEFAULT_EXIT_GRACE_S,
+        help="seconds a rank's process may take to end after the program returned (atexit handlers, "
+        f"non-daemon threads), then it is killed (default {DEFAULT_EXIT_GRACE_S:g})",
+    )
+    p.add_argument(
+        "--kill-grace",
+        type=float,
+        default=DEFAULT_KILL_GRACE_S,
+        help="after a rank failed or the launch was stopped, seconds between SIGTERM to the other ranks "
+        f"and killing them (default {DEFAULT_KILL_GRACE_S:g})",
+    )
     p.add_argument("target", nargs="?", help="script to run on every rank, as torchrun runs it")
     p.add_argument("target_args", nargs=argparse.REMAINDER, help="arguments for the script or function")
     return p
@@ -262,6 +286,8 @@ def spec_from_args(
             max_restarts=args.max_restarts,
             hang_timeout_s=args.hang_timeout,
             spares=args.spares,
+            exit_grace_s=args.exit_grace,
+            kill_grace_s=args.kill_grace,
         )
     except ValueError as e:
         raise UsageError(str(e)) from None

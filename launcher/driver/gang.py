@@ -8,7 +8,7 @@ core/rankenv.py) and apply it in each actor before the target imports anything.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
 import logging
 import time
 from dataclasses import dataclass
@@ -16,7 +16,7 @@ from typing import Any
 
 import ray
 
-from ..core.errors import ClusterError, RankFailure, ResourceError, UsageError, describe_death
+from ..core.errors import ClusterError, Interrupted, RankFailure, ResourceError, UsageError, describe_death
 from ..core.rankenv import EnvDecision, decide_envs, redact
 from ..core.spec import LaunchSpec
 from ..core.target import Target
@@ -29,8 +29,9 @@ from ..core.topology import (
     order_nodes,
 )
 from . import placement, ports
-from .actors import first_line, kill_actors, on_node, start_rank_actor, wait_all
+from .actors import first_line, kill_actors, start_rank_actor, wait_all
 from .cluster import check_versions
+from .endings import exit_gracefully, inspect_hang
 from .spares import SparePool, SparesUnusable
 from .supervise import StopSignal
 
@@ -100,6 +101,7 @@ class RankGang:
         self.handles: tuple[RankHandle, ...] = ()
         self.master: tuple[str, int] = ("", 0)
         self.port_reserved: tuple[str, int] | None = None
+        self.lingering: dict[int, list[str]] = {}  # what each returned rank's process still runs
         self.t0 = time.monotonic()
         self.timings: dict[str, float] = {}
 
@@ -278,6 +280,7 @@ class RankGang:
                 **where, kind="exception", summary=first_line(e), traceback=str(e), at=time.time()
             )
         if out["ok"]:
+            self.lingering[rank] = out.get("lingering", [])
             return True, out["value"]
         return False, RankFailure(
             **where, kind=out["kind"], summary=out["summary"], traceback=out["traceback"],
@@ -286,6 +289,21 @@ class RankGang:
 
     def inspect_hang(self, idle_s: float) -> list[RankFailure]:
         return inspect_hang(self.handles, idle_s)
+
+    def exit_gracefully(self, grace_s: float) -> None:
+        """After every rank returned: each process ends as a Python process does, watched on its
+        node; one still running after `grace_s` is killed and named (endings.py)."""
+        for a in self.actors:
+            a.__ray_terminate__.remote()
+        exit_gracefully(self.handles, self.lingering, grace_s)
+        self.mark("exited")
+
+    def wait_stopped(self, refs: list, grace_s: float) -> None:
+        """After a stop: give the ranks still running `grace_s` to end on their SIGTERM."""
+        pending = [r for r in refs if not ray.wait([r], timeout=0)[0]]
+        if pending:
+            with contextlib.suppress(Interrupted):  # a second Ctrl-C: kill at once
+                wait_all(pending, grace_s, self.stop)
 
     # -- end --------------------------------------------------------------------------------------
     def teardown(self, *, keep_groups: bool = False) -> None:
@@ -319,30 +337,3 @@ def log_env(handles: tuple[RankHandle, ...]) -> None:
             notes.setdefault(note, []).append(h.slot.rank)
     for note, ranks in notes.items():
         log.warning("env on rank(s) %s: %s", format_rank_ranges(ranks), note)
-
-
-def inspect_hang(handles: tuple[RankHandle, ...], idle_s: float) -> list[RankFailure]:
-    """Every rank's state and stack, read by a task on its node; one failure per rank."""
-    from ..core.hang import hang_failures
-    from ..rank.probes import inspect_processes
-
-    log.error("no output or progress from any rank for %.0fs: reading every rank's stack", idle_s)
-    by_node: dict[str, list[int]] = {}
-    for h in handles:
-        by_node.setdefault(h.report.node_id, []).append(h.slot.rank)
-    task = ray.remote(inspect_processes)
-    refs = {
-        node: task.options(**on_node(node)).remote([handles[r].report.pid for r in ranks])
-        for node, ranks in by_node.items()
-    }
-    seen: dict[int, dict[str, Any]] = {}
-    for node, ref in refs.items():
-        try:
-            for r, found in zip(by_node[node], ray.get(ref, timeout=60), strict=True):
-                seen[r] = found
-        except ray.exceptions.RayError as e:
-            log.warning("could not inspect the ranks on node %s: %s", node[:8], first_line(e))
-    for r in sorted(seen):
-        if seen[r].get("stack"):
-            log.error("stack of rank %d (pid %s):\n%s", r, seen[r]["pid"], seen[r]["stack"].rstrip())
-    return hang_failures(idle_s, [dataclasses.asdict(h.info) for h in handles], seen)

@@ -178,6 +178,8 @@ class Attempt:
         self.spares_out: SparePool | None = None  # started for the next attempt
         self.handed_over = False
         self.relay: OutputRelay | None = None
+        self.refs: list = []  # each rank's run, by rank
+        self.succeeded = False
 
     @property
     def adopted(self) -> bool:
@@ -203,17 +205,15 @@ class Attempt:
                 for h, env in zip(gang.handles, envs, strict=True)
             ]
         )  # fmt: skip
-        refs = gang.run(spec.target, spec.cwd)
+        self.refs = gang.run(spec.target, spec.cwd)
         gang.mark("started")
         returns = supervise(
-            gang,
-            refs,
-            self.stop,
-            relay=self.relay,
-            hang_timeout_s=spec.hang_timeout_s,
+            gang, self.refs, self.stop, relay=self.relay, hang_timeout_s=spec.hang_timeout_s,
             tick=self._tend_spares,
-        )
+        )  # fmt: skip
         gang.mark("finished")
+        self.succeeded = True
+        gang.exit_gracefully(spec.exit_grace_s)
         log.info("all %d ranks finished in %.1f s", spec.world_size, gang.timings["finished"])
         return LaunchResult(spec.job_name, spec.world_size, *gang.master, gang.ranks, returns, gang.timings)
 
@@ -239,6 +239,11 @@ class Attempt:
         return pool
 
     def teardown(self) -> None:
+        """Ranks still running (a peer failed, a hang, Ctrl-C) get SIGTERM and --kill-grace to end on
+        it, as torchrun's do; then every actor is killed and the groups removed (unless handed over)."""
+        if not self.succeeded and self.refs and self.relay is not None:
+            self.relay.stop_ranks()
+            self.gang.wait_stopped(self.refs, self.spec.kill_grace_s)
         self.gang.teardown(keep_groups=self.handed_over)
         if self.spares_in is not None:  # given, but stopped before adopting them
             self.spares_in.discard(groups=True)

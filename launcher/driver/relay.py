@@ -6,6 +6,7 @@ shows them, times the activity that hang detection watches, and makes the final 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -28,7 +29,12 @@ def prefix(rank: int, node_rank: int) -> str:
 
 
 class OutputSink:
-    """The driver node's collector (a Ray actor): per-rank files, console lines, progress records."""
+    """The driver node's collector (a Ray actor): per-rank files, console lines, progress records.
+
+    It is also how the driver stops the ranks gracefully: each rank's control thread waits in
+    `wait_stop()` (an async method, so that all of them wait at once) and sends its own process
+    SIGTERM when `stop_ranks()` releases them.
+    """
 
     def __init__(self, run_dir: str, node_of_rank: list[int], console: frozenset[int]):
         self.dir = Path(run_dir)
@@ -40,6 +46,18 @@ class OutputSink:
         self.console: list[str] = []
         self.progress: list[dict[str, Any]] = []
         self.writes = 0  # any rank's activity, for the driver's hang detection
+        self._stop: asyncio.Event | None = None
+
+    def _stop_event(self) -> asyncio.Event:
+        if self._stop is None:  # created in the actor's event loop, where it is awaited
+            self._stop = asyncio.Event()
+        return self._stop
+
+    async def wait_stop(self) -> None:
+        await self._stop_event().wait()
+
+    async def stop_ranks(self) -> None:
+        self._stop_event().set()
 
     def write(self, rank: int, text: str) -> None:
         self.writes += 1
@@ -134,6 +152,12 @@ class OutputRelay:
         for record in records:
             self.progress.update(record)
             self.progress_seen = True
+
+    def stop_ranks(self) -> None:
+        """SIGTERM to every rank still running (each sends it to itself, see OutputSink)."""
+        if self.sink is not None:
+            with contextlib.suppress(Exception):
+                ray.get(self.sink.stop_ranks.remote(), timeout=5)
 
     def finish(self) -> None:
         """Last lines into the files and onto the console, then stop the sink."""

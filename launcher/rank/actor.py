@@ -7,10 +7,13 @@ both in `setup()`, after the actor has started and before the target imports any
 
 from __future__ import annotations
 
+import atexit
 import os
 import runpy
+import signal
 import socket
 import sys
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -38,6 +41,7 @@ class RankActor:
         self.gpu_ids = [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])]
         self.node_id = ctx.get_node_id()
         self.capture = None
+        self.atexit_before = atexit._ncallbacks()
 
     def __repr__(self) -> str:
         where = f"gpu{','.join(self.gpu_ids)}" if self.gpu_ids else "cpu"
@@ -95,6 +99,11 @@ class RankActor:
         if replaces_pid is not None:
             wait_gone(replaces_pid, REPLACED_EXIT_TIMEOUT_S)
         os.environ.update(env)
+        # A plain process's SIGTERM, as under torchrun: it ends the rank at once unless the program
+        # installs a handler of its own (Megatron-Bridge saves a checkpoint in one). Ray's worker
+        # handler would otherwise turn it into an exception the program may swallow.
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        self.atexit_before = atexit._ncallbacks()
         if sink is not None and self.capture is None:
             from .capture import Capture
 
@@ -102,8 +111,15 @@ class RankActor:
         return dict(os.environ)
 
     def run(self, target: Target, cwd: str) -> dict[str, Any]:
-        """Run the target to completion; a failure comes back as data with its traceback."""
-        return self.call(run_target, (target, cwd), {})
+        """Run the target to completion; a failure comes back as data with its traceback. A program
+        that returns while non-daemon threads run or with atexit handlers registered is reported as
+        lingering: its process must end on its own, as a Python process does, not be killed."""
+        result = self.call(run_target, (target, cwd), {})
+        if result["ok"]:
+            if self.capture is not None:
+                self.capture.end_control()
+            result["lingering"] = lingering(self.atexit_before)
+        return result
 
     def call(self, fn, args: tuple, kwargs: dict) -> dict[str, Any]:
         """Run `fn(*args, **kwargs)` here (a rank group's method call), failures as data."""
@@ -123,6 +139,17 @@ class RankActor:
             sys.stderr.flush()
             if self.capture is not None:
                 self.capture.sync()  # the driver has every line of this rank before its result
+
+
+def lingering(atexit_before: int) -> list[str]:
+    """What would still run if this process exited now: non-daemon threads, new atexit handlers."""
+    threads = [
+        t.name
+        for t in threading.enumerate()
+        if t is not threading.main_thread() and not t.daemon and t.is_alive()
+    ]
+    added = atexit._ncallbacks() - atexit_before
+    return [f"thread {name}" for name in threads] + ([f"{added} atexit handler(s)"] if added > 0 else [])
 
 
 def _failure(kind: str, summary: str, exc: BaseException, exit_code: int | None = None) -> dict[str, Any]:

@@ -50,8 +50,36 @@ class Capture:
             with contextlib.suppress(AttributeError, ValueError):
                 stream.reconfigure(line_buffering=True)
         threading.Thread(target=self._pump, name="megaray-output", daemon=True).start()
+        self.control_ref: Any = None
+        self.control = threading.Thread(target=self._stop_when_asked, name="megaray-control", daemon=True)
+        self.control.start()
         # On a hang the driver asks for this rank's stack where py-spy cannot attach.
         faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
+
+    def _stop_when_asked(self) -> None:
+        """SIGTERM to this process when the driver stops the ranks (a peer failed, or Ctrl-C): the
+        program's own handler runs, if it has one, or the process ends as a plain one would."""
+        import ray
+
+        try:
+            self.control_ref = self.sink.wait_stop.remote()
+            ray.get(self.control_ref)
+        except Exception:  # cancelled (the program returned), or the sink is gone with the driver
+            return
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    def end_control(self) -> None:
+        """The program returned: no stop will come. A thread still waiting in a Ray call would keep
+        the process from exiting, so the wait is cancelled and the thread joined."""
+        import ray
+
+        deadline = time.monotonic() + 5
+        while self.control_ref is None and self.control.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        if self.control_ref is not None:
+            with contextlib.suppress(Exception):
+                ray.cancel(self.control_ref)
+        self.control.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _pump(self) -> None:
         decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")

@@ -10,6 +10,7 @@ cannot attach, the rank's faulthandler is asked to print its stack into the rank
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -114,6 +115,25 @@ def ephemeral_range() -> tuple[int, int] | None:
         return int(lo), int(hi)
     except (OSError, ValueError):
         return None
+
+
+def wait_exited(pids: list[int], grace_s: float) -> list[float | None]:
+    """On a node: wait up to `grace_s` for each process to end (its atexit handlers and non-daemon
+    threads done); SIGKILL those still running then. Seconds each took, None for the killed."""
+    start = time.monotonic()
+    took: list[float | None] = [None] * len(pids)
+    while time.monotonic() - start < grace_s:
+        for i, pid in enumerate(pids):
+            if took[i] is None and process_state(pid) in (None, "Z"):
+                took[i] = round(time.monotonic() - start, 3)
+        if all(t is not None for t in took):
+            return took
+        time.sleep(0.02)
+    for i, pid in enumerate(pids):
+        if took[i] is None:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
+    return took
 
 
 REPLACED_EXIT_TIMEOUT_S = 30.0
