@@ -376,3 +376,16 @@ def test_doctor_measures_gloo_all_reduce_bandwidth_over_the_layout(cluster, caps
     per_node = out.split("per node:\n")[1].splitlines()[1:3]
     assert [row.split()[0] for row in per_node] == ["0", "1"]
     assert leftovers("megaray") == ([], [])
+
+
+def test_each_node_group_gets_a_ray_node_of_its_own(cluster, out, capsys):
+    # The head has 1 CPU, nodes A and B 4 each: room for four 1-CPU groups on A alone, but the node
+    # groups must land on distinct Ray nodes: three fit, a fourth has nowhere to go.
+    args = "--device cpu --gpus-per-node 1 --placement-timeout 5 --entrypoint tests.targets:dump_env"
+    assert launch(cluster, "distinct3", out, f"--nodes 3 {args}") == 0
+    seen = read_ranks(out, "env", 3)
+    assert len({s["node_id"] for s in seen}) == 3
+    assert launch(cluster, "distinct4", out, f"--nodes 4 {args}") == 2
+    err = capsys.readouterr().err
+    assert "not placed within 5s on 4 distinct nodes" in err
+    assert leftovers("distinct3") == ([], []) and leftovers("distinct4") == ([], [])

@@ -119,7 +119,7 @@ class RankGang:
     # -- start ------------------------------------------------------------------------------------
     def place(self, spares: SparePool | None = None) -> None:
         """A placement group per node: the spares' own when they can take over, the host gang's when
-        colocated, else new ones, all requested at once and waited for up to --placement-timeout."""
+        colocated, else new ones on distinct nodes (placement.place_groups)."""
         spec = self.spec
         log.info(
             "job %s: %d node(s) x %d rank(s) = %d, target: %s",
@@ -130,19 +130,7 @@ class RankGang:
             return
         if self.attempt == 0:
             placement.check_name_free(spec.job_name)
-        problem = placement.feasibility_problem(spec)
-        if problem and self.fixed_size:
-            raise placement.resource_error(spec, 0, problem, placement.describe_nodes(), can_grow=False)
-        if problem:
-            log.warning("%s; waiting up to %gs for more nodes", problem, spec.placement_timeout_s)
-        before = placement.describe_nodes()  # what others left free, for the message if we time out
-        self.groups = placement.create_groups(spec, self.name)
-        placed = len(wait_all([g.ready() for g in self.groups], spec.placement_timeout_s, self.stop))
-        if placed < len(self.groups):
-            why = f"not placed within {spec.placement_timeout_s:g}s"
-            raise placement.resource_error(
-                spec, placed, f"{problem}; {why}" if problem else why, before, can_grow=not self.fixed_size
-            )
+        self.groups = placement.place_groups(spec, self.name, self.stop, self.fixed_size)
         self.mark("placed")
         self.slots = assign_ranks(order_nodes(placement.resolve_nodes(self.groups)), spec.gpus_per_node)
 

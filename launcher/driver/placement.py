@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
+import time
 from collections.abc import Mapping
 
 import ray
@@ -17,6 +19,11 @@ from ray.util.placement_group import (
 from ..core.errors import ResourceError, UsageError
 from ..core.spec import LaunchSpec
 from ..core.topology import NodeSlot
+from .actors import wait_all
+from .supervise import StopSignal
+
+log = logging.getLogger("megaray")
+NODE_ID_LABEL = "ray.io/node-id"  # a label Ray gives every node
 
 
 def bundle_for(spec: LaunchSpec) -> dict[str, float]:
@@ -85,15 +92,81 @@ def check_name_free(job: str) -> None:
 
 def create_groups(spec: LaunchSpec, name: str | None = None) -> list[PlacementGroup]:
     """All groups are requested before any is waited on, so they are scheduled together."""
+    return [create_group(spec, f"{name or spec.job_name}-node{i}") for i in range(spec.nodes)]
+
+
+def create_group(spec: LaunchSpec, name: str, exclude_nodes: list[str] = ()) -> PlacementGroup:
+    """One node's group: a bundle per rank, all on one node, none of `exclude_nodes` (Ray node ids)."""
     bundle = bundle_for(spec)
-    return [
-        placement_group(
-            [dict(bundle) for _ in range(spec.gpus_per_node)],
-            strategy="STRICT_PACK",
-            name=f"{name or spec.job_name}-node{i}",
-        )
-        for i in range(spec.nodes)
-    ]
+    selector = (
+        [{NODE_ID_LABEL: f"!in({','.join(exclude_nodes)})"}] * spec.gpus_per_node if exclude_nodes else None
+    )
+    return placement_group(
+        [dict(bundle) for _ in range(spec.gpus_per_node)],
+        strategy="STRICT_PACK",
+        name=name,
+        bundle_label_selector=selector,
+    )
+
+
+def place_groups(spec: LaunchSpec, name: str, stop: StopSignal, fixed_size: bool) -> list[PlacementGroup]:
+    """One group per node, each on a Ray node of its own, waited for up to --placement-timeout.
+
+    All groups are requested at once, so that they are scheduled together; Ray keeps no two
+    STRICT_PACK groups apart, so a group that landed on a node another group holds is placed again
+    with that node excluded by label (`ray.io/node-id`).
+    """
+    problem = feasibility_problem(spec)
+    if problem and fixed_size:
+        raise resource_error(spec, 0, problem, describe_nodes(), can_grow=False)
+    if problem:
+        log.warning("%s; waiting up to %gs for more nodes", problem, spec.placement_timeout_s)
+    before = describe_nodes()  # what others left free, for the message if we time out
+    deadline = time.monotonic() + spec.placement_timeout_s
+    groups = create_groups(spec, name)
+    try:
+        _wait_placed(groups, deadline, stop)
+        while (shared := first_sharing(groups)) is not None:
+            others = [node_of(g) for j, g in enumerate(groups) if j != shared]
+            remove_groups([groups[shared]])
+            groups[shared] = create_group(spec, f"{name}-node{shared}", exclude_nodes=others)
+            _wait_placed(groups, deadline, stop)
+    except _NotPlaced as e:
+        remove_groups(groups)
+        why = f"not placed within {spec.placement_timeout_s:g}s on {spec.nodes} distinct nodes"
+        raise resource_error(
+            spec, e.placed, f"{problem}; {why}" if problem else why, before, can_grow=not fixed_size
+        ) from None
+    except BaseException:
+        remove_groups(groups)
+        raise
+    return groups
+
+
+class _NotPlaced(Exception):
+    def __init__(self, placed: int):
+        self.placed = placed
+
+
+def _wait_placed(groups: list[PlacementGroup], deadline: float, stop: StopSignal) -> None:
+    placed = len(wait_all([g.ready() for g in groups], max(0.0, deadline - time.monotonic()), stop))
+    if placed < len(groups):
+        raise _NotPlaced(placed)
+
+
+def node_of(group: PlacementGroup) -> str:
+    return placement_group_table(group)["bundles_to_node_id"][0]
+
+
+def first_sharing(groups: list[PlacementGroup]) -> int | None:
+    """The first group whose node an earlier group holds already, or None."""
+    seen: set[str] = set()
+    for i, g in enumerate(groups):
+        node = node_of(g)
+        if node in seen:
+            return i
+        seen.add(node)
+    return None
 
 
 def resolve_nodes(groups: list[PlacementGroup]) -> list[NodeSlot]:
