@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import socket
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -46,6 +47,19 @@ def exit_gracefully(handles: tuple[RankHandle, ...], lingering: dict[int, list[s
             "rank(s) %s still running %gs after the program returned (%s): killed; give them longer "
             "with --exit-grace", format_rank_ranges(killed), grace_s, ", ".join(still) or "exit handlers",
         )  # fmt: skip
+
+
+def node_lost(node_id: str) -> bool:
+    """Whether a node is gone: dead for Ray already, or its raylet refuses or ignores a connection
+    (a node whose raylet died, or whose link was cut, before Ray's health checks tell)."""
+    node = next((n for n in ray.nodes() if n["NodeID"] == node_id), None)
+    if node is None or not node["Alive"]:
+        return True
+    try:
+        with socket.create_connection((node["NodeManagerAddress"], node["NodeManagerPort"]), timeout=0.5):
+            return False
+    except OSError:
+        return True
 
 
 def inspect_hang(handles: tuple[RankHandle, ...], idle_s: float) -> list[RankFailure]:

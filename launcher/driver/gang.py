@@ -31,7 +31,7 @@ from ..core.topology import (
 from . import placement, ports
 from .actors import first_line, kill_actors, start_rank_actor, wait_all
 from .cluster import check_versions
-from .endings import exit_gracefully, inspect_hang
+from .endings import exit_gracefully, inspect_hang, node_lost
 from .spares import SparePool, SparesUnusable
 from .supervise import StopSignal
 
@@ -262,6 +262,14 @@ class RankGang:
             out = ray.get(ref)
         except ray.exceptions.RayActorError as e:
             summary = f"{describe_death(str(e))} (pid {h.report.pid})"
+            if node_lost(h.report.node_id):  # Ray says so only after its health checks, seconds later
+                ranks = format_rank_ranges(
+                    x.slot.rank for x in self.handles if x.report.node_id == h.report.node_id
+                )
+                node = f"{h.slot.node_ip} (node id {h.report.node_id[:8]})"
+                summary = (
+                    f"its node {node} was lost: its raylet no longer answers; it took rank(s) {ranks} with it"
+                )
             return False, RankFailure(**where, kind="died", summary=summary, at=time.time())
         except ray.exceptions.RayError as e:
             return False, RankFailure(
