@@ -20,7 +20,7 @@ from launcher.megatron import compat
 from launcher.megatron.bridge_target import build_config
 from launcher.megatron.facts import facts_from_config
 
-from .conftest import FIXTURES
+from .conftest import FIXTURES, REPO
 
 
 @pytest.fixture(scope="module")
@@ -215,3 +215,22 @@ print("ok")
 """
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("check", [True, False])
+def test_ctrl_c_during_the_preflight_exits_130_in_one_line(check):
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    args = [sys.executable, "main.py", "--recipe", "gpt_small", "--device", "cpu", "--job-name", "ctrlc"]
+    p = subprocess.Popen(
+        [*args, *(["--check"] if check else [])], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    time.sleep(3)  # importing Megatron-Bridge for the preflight takes longer
+    p.send_signal(signal.SIGINT)
+    _, err = p.communicate(timeout=60)
+    assert p.returncode == 130, err[-3000:]
+    assert "Traceback" not in err and "interrupted by SIGINT" in err

@@ -301,6 +301,28 @@ def test_unknown_entrypoint_and_unreachable_address_exit_2(capsys):
     assert "cannot reach a Ray cluster at 127.0.0.1:1" in err and "--address" in err
 
 
+def test_an_address_that_is_not_rays_gcs_is_refused_in_seconds(tmp_path, capsys):
+    import http.server
+    import threading
+    import time
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        t0 = time.monotonic()
+        args = ["--address", f"127.0.0.1:{server.server_port}", "--dry-run", "--runs-dir", str(tmp_path)]
+        assert main(args) == 2
+        assert time.monotonic() - t0 < 10  # not Ray's retry loop (about 14 minutes)
+    finally:
+        server.shutdown()
+    err = capsys.readouterr().err
+    assert (
+        f"127.0.0.1:{server.server_port} answers, but as" in err
+        and "not as Ray's GCS" in err
+        and "GCS port" in err
+    )
+
+
 def test_node_versions_must_match_the_driver():
     import sys
 

@@ -75,6 +75,9 @@ def main(argv: list[str] | None = None) -> int:
     except MegarayError as e:
         log.error("%s", e)
         return e.exit_code
+    except KeyboardInterrupt:  # Ctrl-C where nothing was placed yet (parsing, a preflight)
+        log.error("interrupted by SIGINT before anything was placed")
+        return 130
     return 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import socket
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -37,13 +38,34 @@ def _reachable(address: str, timeout_s: float = 5.0) -> None:
     if not sep or not port.isdigit():
         raise ClusterError(f"Ray address {address!r} is not HOST:PORT; fix --address or RAY_ADDRESS")
     try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s):
-            pass
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as s:
+            answer = _http2_answer(s, timeout_s)
     except OSError as e:
         raise ClusterError(
             f"cannot reach a Ray cluster at {address} ({e.strerror or e}); start one with "
             "`ray start --head` or fix --address / RAY_ADDRESS"
         ) from None
+    if answer is not None and answer[3:4] != b"\x04" and not os.environ.get("RAY_USE_TLS"):
+        what = (
+            "an HTTP server (Ray's dashboard listens on 8265)"
+            if answer.startswith(b"HTTP/")
+            else "no gRPC server"
+        )
+        raise ClusterError(
+            f"{address} answers, but as {what}, not as Ray's GCS: give the head's GCS port (6379 unless "
+            "`ray start --head --port` chose another) in --address or RAY_ADDRESS"
+        )
+
+
+def _http2_answer(s: socket.socket, timeout_s: float) -> bytes | None:
+    """What a port says to an HTTP/2 connection preface: Ray's GCS (gRPC) answers with a SETTINGS
+    frame (type 4 in the frame's fourth byte). None when it says nothing in time."""
+    s.settimeout(timeout_s)
+    try:
+        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
+        return s.recv(64) or b""
+    except TimeoutError:
+        return None
 
 
 _AUTH_HINT = (

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -55,6 +56,17 @@ def launch(spec: LaunchSpec) -> LaunchResult:
     The run directory (`spec.run_dir`) records the spec, the resolved config, the topology, each
     rank's environment and output, and a summary of how it ended, whatever the outcome.
     """
+    try:
+        return _launch(spec)
+    except KeyboardInterrupt:  # before megaray's own handler is installed: preflight, connecting
+        raise Interrupted(signal.SIGINT, "SIGINT") from None
+    except SystemExit as e:  # Ray's driver handler turns SIGTERM into sys.exit(15)
+        if e.code != signal.SIGTERM:
+            raise
+        raise Interrupted(signal.SIGTERM, "SIGTERM") from None
+
+
+def _launch(spec: LaunchSpec) -> LaunchResult:
     check_target_locally(spec.target, spec.cwd)
     profile = load_profile(spec.env_profile) if spec.env_profile else {}
     plan = preflight(spec)
@@ -90,6 +102,9 @@ def launch(spec: LaunchSpec) -> LaunchResult:
         raise
     except Interrupted as e:
         outcome = {"status": "interrupted", "exit_code": e.exit_code, "root_cause": str(e)}
+        raise
+    except KeyboardInterrupt:
+        outcome = {"status": "interrupted", "exit_code": 130, "root_cause": "interrupted by SIGINT"}
         raise
     except MegarayError as e:
         outcome = {"status": "error", "exit_code": e.exit_code, "root_cause": str(e)}
