@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shlex
 
 import pytest
@@ -23,6 +24,35 @@ def test_the_job_runs_the_same_launch_named_after_the_submission(tmp_path):
     meta = job_metadata(spec)
     assert meta["megaray.layout"] == "2x1 gpu" and meta["megaray.target"] == "train.py --lr 1e-4"
     assert all(isinstance(v, str) for v in meta.values())
+
+
+def test_env_values_travel_in_the_runtime_env_never_on_the_command_line(tmp_path):
+    (tmp_path / "train.py").write_text("print(1)\n")
+    argv = ["--working-dir", str(tmp_path), "--", "--env", "HF_TOKEN=hf_s3cret", "--env=DB=postgres://u:pw@h/db",
+            "--env", "FROM_SHELL", "train.py", "--env", "X=program-arg"]  # fmt: skip
+    spec = parse(argv, environ={"FROM_SHELL": "shell-value", "RAY_ADDRESS": "elsewhere:6379"})
+    shown = job_entrypoint(spec) + json.dumps(job_metadata(spec))
+    for value in ("hf_s3cret", "pw@h", "shell-value"):
+        assert value not in shown
+    assert shlex.split(job_entrypoint(spec))[-8:] == [
+        "--env", "HF_TOKEN", "--env", "DB", "--env", "FROM_SHELL", "train.py", "--env", "X=program-arg",
+    ][-8:]  # fmt: skip
+    assert spec.runtime_env["env_vars"] == {
+        "HF_TOKEN": "hf_s3cret", "DB": "postgres://u:pw@h/db", "FROM_SHELL": "shell-value",
+    }  # fmt: skip
+    with pytest.raises(UsageError, match="HF_TOKEN is given both"):
+        parse(
+            [
+                "--runtime-env-json",
+                '{"env_vars": {"HF_TOKEN": "other"}}',
+                "--",
+                "--env",
+                "HF_TOKEN=x",
+                "--dry-run",
+            ]
+        )
+    with pytest.raises(UsageError, match="--env NOT_SET forwards this shell's NOT_SET, which is not set"):
+        parse(["--", "--env", "NOT_SET", "--dry-run"], environ={})
 
 
 def test_a_given_job_name_is_the_submission_id():

@@ -117,7 +117,7 @@ def test_node_env_is_kept_or_replaced_loudly(cluster, out, capsys):
         assert s["env"]["NCCL_DEBUG"] == "TRACE"
     err = capsys.readouterr().err
     assert "OMP_NUM_THREADS: keeping the node's '3' (launcher default '1')" in err
-    assert "NCCL_DEBUG: --env sets 'TRACE' over the node's 'INFO'" in err
+    assert "NCCL_DEBUG: --env sets its value over the node's 'INFO'" in err
 
 
 def test_dry_run_across_two_nodes_trains_megatron(cluster, capsys):

@@ -147,10 +147,11 @@ def test_env_precedence_and_every_change_of_a_node_value_is_logged():
         "RANK: node had '7'",
         "OMP_NUM_THREADS: keeping the node's '8'",
         "NCCL_DEBUG: profile efa sets 'WARN' over the node's 'INFO'",
-        "FOO: --env sets 'cli' over the node's 'node'",
-        "BAR: --env sets 'cli' over profile efa's",
+        "FOO: --env sets its value over the node's 'node'",
+        "BAR: --env sets its value over profile efa's",
     ):
         assert expected in notes
+    assert "'cli'" not in notes  # --env values never reach the console
 
 
 def test_env_defaults_apply_when_the_node_has_nothing():
@@ -160,8 +161,9 @@ def test_env_defaults_apply_when_the_node_has_nothing():
 
 def test_env_pairs_are_checked():
     assert parse_env_pairs(["A=1", "B=x=y", "C="]) == {"A": "1", "B": "x=y", "C": ""}
-    with pytest.raises(ValueError, match="not KEY=VALUE"):
-        parse_env_pairs(["A"])
+    with pytest.raises(ValueError, match="--env A forwards this shell's A, which is not set"):
+        parse_env_pairs(["A"], {})
+    assert parse_env_pairs(["A"], {"A": "from the shell"}) == {"A": "from the shell"}  # as docker run -e A
     with pytest.raises(ValueError, match="sets MASTER_PORT, RANK, which the launcher sets"):
         parse_env_pairs(["RANK=0", "MASTER_PORT=1"])
     with pytest.raises(ValueError, match="not a valid environment variable name"):

@@ -139,11 +139,13 @@ def workdir(tmp_path: Path, **files: str) -> Path:
 
 def test_dry_run_job_streams_topology_and_succeeds(head, token, capsys):
     job = "sub-dry"
-    rc = main(
-        f"submit --address {head.url} -- --job-name {job} --dry-run --nodes 1 --gpus-per-node 2".split()
-    )
+    secret = "--env DB_URL=postgres://me:s3cret-pw@db/x --env PLAIN=plain-s3cret"
+    launch = f"--job-name {job} {secret} --dry-run --nodes 1 --gpus-per-node 2"
+    rc = main(f"submit --address {head.url} -- {launch}".split())
     out, err = capsys.readouterr()
     assert rc == 0, out[-3000:] + err[-3000:]
+    assert "s3cret" not in out + err  # --env values reach the ranks through the runtime env only
+    assert "PLAIN=<from --env>" in out
     assert "topology (MASTER_ADDR=" in out and "dry run passed: 2 ranks" in out
     assert f"job {job} SUCCEEDED" in err
     assert head.status(job) == "SUCCEEDED"
@@ -153,8 +155,10 @@ def test_dry_run_job_streams_topology_and_succeeds(head, token, capsys):
     assert main(["status", job, "--address", head.url]) == 0
     shown = capsys.readouterr().out
     assert "SUCCEEDED" in shown and "1x2 gpu" in shown and "--dry-run" in shown
+    assert "--env DB_URL --env PLAIN" in shown and "s3cret" not in shown
     assert main(["logs", job, "--address", head.url]) == 0
-    assert "dry run passed" in capsys.readouterr().out
+    logs = capsys.readouterr().out
+    assert "dry run passed" in logs and "s3cret" not in logs
     assert main(["list", "--address", head.url]) == 0
     assert job in capsys.readouterr().out
 

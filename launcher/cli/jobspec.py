@@ -20,6 +20,7 @@ from typing import Any
 from ..core.args import ArgumentParser
 from ..core.errors import UsageError
 from ..core.spec import LaunchSpec, spec_from_args
+from ..core.spec import build_parser as build_launch_parser
 from ..core.target import TargetKind, check_target_locally
 from ..core.topology import format_table
 from ..core.versions import megaray_version
@@ -116,10 +117,21 @@ def submit_spec_from_args(
     if local_dir and not Path(local_dir).is_dir():
         raise UsageError(f"--working-dir {working_dir} is not a folder")
     # Inside the job RAY_ADDRESS names the cluster it runs on: the launch must not name another.
-    launch = spec_from_args(launch_argv, environ={}, cwd=str(Path(local_dir).resolve()) if local_dir else cwd)
+    here = {k: v for k, v in environ.items() if k != "RAY_ADDRESS"}  # `--env KEY` forwards from here
+    launch = spec_from_args(
+        launch_argv, environ=here, cwd=str(Path(local_dir).resolve()) if local_dir else cwd
+    )
     if launch.address:
         raise UsageError("a submitted launch runs on the cluster it is submitted to: drop --address after --")
     _check_target(launch, local_dir, bool(working_dir))
+    launch_argv, values = env_out_of_argv(launch_argv, dict(launch.env))
+    theirs = runtime_env.setdefault("env_vars", {})
+    clash = sorted(k for k, v in values.items() if theirs.get(k, v) != v)
+    if clash:
+        raise UsageError(f"{', '.join(clash)} is given both in --env and in --runtime-env-json's env_vars")
+    theirs.update(values)
+    if not theirs:
+        del runtime_env["env_vars"]
     if local_dir:
         runtime_env["working_dir"] = str(Path(local_dir).resolve())
         runtime_env["excludes"] = package_excludes(Path(local_dir), runtime_env.get("excludes", []))
@@ -133,6 +145,39 @@ def submit_spec_from_args(
         runtime_env=runtime_env,
         wait=not args.no_wait,
     )
+
+
+def env_out_of_argv(argv: list[str], env: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+    """The launch arguments with every `--env KEY=VALUE` of megaray's own options turned into
+    `--env KEY`, and those values, for the job's runtime env: a value on the job's command line would
+    show in its entrypoint, its metadata, `megaray status` and the head's process list. Arguments for
+    the program (after the script or module) are left alone."""
+    takes_value = {
+        flag: action.nargs is None
+        for action in build_launch_parser()._actions
+        for flag in action.option_strings
+    }
+    out: list[str] = []
+    values: dict[str, str] = {}
+    i = 0
+    while i < len(argv):
+        token = argv[i]
+        flag, eq, inline = token.partition("=")
+        if token == "--" or not token.startswith("-") or flag not in takes_value:
+            out += argv[i:]  # the program and its arguments
+            break
+        value = inline if eq else (argv[i + 1] if takes_value[flag] and i + 1 < len(argv) else None)
+        if flag == "--env" and value is not None:
+            key = value.partition("=")[0]
+            if key in env:
+                values[key] = env[key]
+            out += [flag, key]
+        else:
+            out += (
+                [token] if eq or not takes_value[flag] else [token, *([value] if value is not None else [])]
+            )
+        i += 1 if eq or not takes_value[flag] else 2
+    return out, values
 
 
 def _parse_runtime_env(text: str | None) -> dict[str, Any]:

@@ -175,21 +175,27 @@ def decide_env(
     for key, value in overrides.items():
         old = node_env.get(key)
         if old is not None and old != value:
-            notes.append(f"{key}: --env sets {_shown(key, value)} over the node's {_shown(key, old)}")
+            notes.append(f"{key}: --env sets its value over the node's {_shown(key, old)}")
         elif key in profile and profile[key] != value:
             theirs = _shown(key, profile[key])
-            notes.append(f"{key}: --env sets {_shown(key, value)} over profile {profile_name}'s {theirs}")
+            notes.append(f"{key}: --env sets its value over profile {profile_name}'s {theirs}")
         to_set[key] = value
     return EnvDecision(to_set=to_set, notes=tuple(notes))
 
 
-def parse_env_pairs(pairs: list[str]) -> dict[str, str]:
-    """`--env KEY=VALUE` (repeatable) into a dict; a pair without `=` is an error."""
+def parse_env_pairs(pairs: list[str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`--env KEY=VALUE` (repeatable) into a dict; `--env KEY` forwards this process's value of KEY,
+    as `docker run -e KEY` does."""
     out: dict[str, str] = {}
     for pair in pairs:
         key, sep, value = pair.partition("=")
         if not sep:
-            raise ValueError(f"--env {pair!r} is not KEY=VALUE; write it as --env {pair}=<value>")
+            if environ is None or key not in environ:
+                raise ValueError(
+                    f"--env {key} forwards this shell's {key}, which is not set: export it, or write "
+                    f"--env {key}=VALUE"
+                )
+            value = environ[key]
         out[key.strip()] = value
     check_user_env(out, "--env")
     return out

@@ -163,7 +163,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--env-profile", help="network/NCCL env profile: a name under env/ or a YAML path")
     p.add_argument(
-        "--env", action="append", default=[], metavar="KEY=VALUE", help="set a variable in every rank"
+        "--env",
+        action="append",
+        default=[],
+        metavar="KEY[=VALUE]",
+        help="set a variable in every rank; KEY alone forwards this shell's value",
     )
     p.add_argument("--entrypoint", metavar="PKG.MODULE:FUNCTION", help="call this function on every rank")
     p.add_argument("-m", "--module", help="run a module as `python -m MODULE` on every rank")
@@ -264,7 +268,7 @@ def spec_from_args(
                 "nothing to run: give --recipe NAME, a script, --entrypoint pkg.module:function, -m module, "
                 "or --dry-run"
             )
-        env = parse_env_pairs(args.env)
+        env = parse_env_pairs(args.env, environ)
         return LaunchSpec(
             nodes=args.nodes,
             gpus_per_node=args.gpus_per_node,

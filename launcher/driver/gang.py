@@ -176,7 +176,7 @@ class RankGang:
             )
         )
         log_topology(self.ranks, self.master)
-        log_env(self.handles)
+        log_env(self.handles, hidden=set(self.spec.env_overrides))
         return envs
 
     def _start_actors(self) -> tuple[list, list[RankReport]]:
@@ -323,10 +323,11 @@ def log_topology(ranks: tuple[RankInfo, ...], master: tuple[str, int]) -> None:
     log.info("topology (MASTER_ADDR=%s MASTER_PORT=%d):\n%s", *master, format_table(rows, "  "))
 
 
-def log_env(handles: tuple[RankHandle, ...]) -> None:
-    """Rank 0's env, then each note about a node value that was changed, with the ranks it concerns."""
-    first = handles[0].env.to_set
-    log.info("env of rank 0: %s", " ".join(f"{k}={v}" for k, v in sorted(redact(first).items())))
+def log_env(handles: tuple[RankHandle, ...], hidden: set[str]) -> None:
+    """Rank 0's env, then each note about a node value that was changed, with the ranks it concerns.
+    Values given with --env (`hidden`) are never printed: the console ends up in job logs."""
+    first = {k: ("<from --env>" if k in hidden else v) for k, v in redact(handles[0].env.to_set).items()}
+    log.info("env of rank 0: %s", " ".join(f"{k}={v}" for k, v in sorted(first.items())))
     notes: dict[str, list[int]] = {}
     for h in handles:
         for note in h.env.notes:
