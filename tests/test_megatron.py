@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import sys
 
@@ -81,6 +82,43 @@ def test_flops_per_token_is_megatrons_formula_for_llama3_8b_at_8192():
     facts = facts_from_config(cfg)
     assert facts.flops_per_token == pytest.approx(51.5e9, rel=0.005)
     assert (facts.seq_length, facts.global_batch) == (8192, cfg.train.global_batch_size)
+
+
+def test_flops_per_token_for_gpt_small_fills_what_bridge_sets_only_at_training():
+    # kv_channels, query groups and the vocabulary are None until bridge finalizes the model at the
+    # start of training; the driver's formula fills them as bridge will (hidden / heads, the heads,
+    # the tokenizer's vocabulary). By hand, per token, forward x 3 for training, 2 FLOPs per MAC: per
+    # layer QKV 6h^2 + output 2h^2 + MLP 4h*ffn + causal attention 2sh; then the logits 2hV.
+    cfg = build_config(load_recipe("gpt_small"), [])[0]
+    h, ffn, layers, seq, vocab = 2048, 8192, 16, 2048, 32000
+    per_token = 3 * (layers * (8 * h * h + 4 * h * ffn + 2 * seq * h) + 2 * h * vocab)
+    assert facts_from_config(cfg).flops_per_token == pytest.approx(per_token, rel=1e-6)
+    assert cfg.model.kv_channels is None  # the config itself is left as bridge made it
+
+
+def test_override_values_must_fit_the_declared_type(capsys):
+    assert main(["--recipe", "gpt_small", "--check", "train.train_iters=abc"]) == 2
+    assert "train_iters takes int or None, got 'abc' (str)" in capsys.readouterr().err
+    assert main(["--recipe", "gpt_small", "--check", "train.micro_batch_size=xyz"]) == 2
+    err = capsys.readouterr().err
+    assert "micro_batch_size takes int or None, got 'xyz'" in err and "Traceback" not in err
+
+
+def test_an_hf_config_that_cannot_be_had_offline_exits_2_at_once(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    env = {**os.environ, "HF_HOME": str(tmp_path), "HF_HUB_OFFLINE": "1"}
+    t0 = time.monotonic()
+    p = subprocess.run([sys.executable, "main.py", "--recipe", "llama3_8b", "--check"], cwd=REPO, env=env,
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 2 and time.monotonic() - t0 < 60, p.stderr[-2000:]
+    last = p.stderr.strip().splitlines()[-1]
+    assert last.startswith(
+        "megaray: error: recipe llama3_8b builds its model from meta-llama/Meta-Llama-3-8B"
+    )
+    assert "--hf-path DIR" in last and "HF_HUB_OFFLINE is set" in last and "Traceback" not in p.stderr
 
 
 def test_relaunches_resume_from_the_recipe_checkpoints_and_nccl_outlasts_the_hang_timeout(configs, tmp_path):

@@ -11,14 +11,18 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import socket
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+from urllib.parse import urlparse
 
 from ..core.errors import UsageError
 from ..core.recipes import Recipe, check_overrides, load_recipe
 from ..core.refs import load_function
 from . import compat
+from .overrides import override_type_problem
 
 
 @contextlib.contextmanager
@@ -63,22 +67,56 @@ def build_config(recipe: Recipe, overrides: list[str], hf_path: str | None = Non
     from megatron.bridge.training.utils.omegaconf_utils import process_config_with_overrides
 
     check_overrides(overrides)
-    with _hf_model_from(recipe.hf_model, hf_path):
-        cfg = recipe_function(recipe)()
+    if recipe.hf_model and not hf_path and (problem := hf_config_problem(recipe.hf_model)):
+        raise UsageError(
+            f"recipe {recipe.name} builds its model from {recipe.hf_model}'s config.json, which {problem}: "
+            "pass --hf-path DIR (a folder with the model's config.json), or put it in the HF cache where "
+            f"there is network (`huggingface-cli download {recipe.hf_model} config.json`) and set HF_HOME"
+        )
+    function = recipe_function(recipe)
+    try:
+        with _hf_model_from(recipe.hf_model, hf_path):
+            cfg = function()
+    except Exception as e:
+        reason = " ".join(str(e).split())[:300] or type(e).__name__
+        raise UsageError(
+            f"recipe {recipe.name}: {recipe.function} failed: {type(e).__name__}: {reason}"
+        ) from None
     if hf_path and getattr(cfg.tokenizer, "tokenizer_model", None) == recipe.hf_model:
         cfg.tokenizer.tokenizer_model = hf_path
     for source, items in (("recipe " + recipe.name, list(recipe.overrides)), ("command line", overrides)):
         for item in items:  # one at a time, so an error names the key that caused it
+            key = item.split("=", 1)[0]
             try:
                 cfg = process_config_with_overrides(cfg, cli_overrides=[item])
             except Exception as e:
-                key = item.split("=", 1)[0]
                 reason = " ".join(str(e).split())[:300]
                 raise UsageError(
                     f"override {item!r} from the {source}: {reason}; check the key {key!r}"
                 ) from None
+            if problem := override_type_problem(cfg, key.lstrip("+~")):
+                raise UsageError(f"override {item!r} from the {source}: {problem}")
     notes = [f"no TransformerEngine here: {c}" for c in compat.adapt_model_without_te(cfg.model)]
     return cfg, notes
+
+
+def hf_config_problem(repo: str) -> str | None:
+    """Why `repo`'s config.json cannot be had here, or None: bridge's recipes fetch it, and offline
+    they retry for minutes before a long traceback."""
+    from huggingface_hub import constants
+
+    folder = Path(constants.HF_HUB_CACHE) / f"models--{repo.replace('/', '--')}" / "snapshots"
+    if any(folder.glob("*/config.json")):
+        return None
+    if constants.HF_HUB_OFFLINE:
+        return f"is not in the HF cache ({constants.HF_HUB_CACHE}) and HF_HUB_OFFLINE is set"
+    host = urlparse(constants.ENDPOINT).hostname or "huggingface.co"
+    try:
+        with socket.create_connection((host, 443), timeout=3):
+            return None
+    except OSError as e:
+        cache = constants.HF_HUB_CACHE
+        return f"is not in the HF cache ({cache}) and {host} cannot be reached ({e.strerror or e})"
 
 
 def pretrain_recipe(recipe: Recipe, overrides: list[str], hf_path: str | None = None) -> None:

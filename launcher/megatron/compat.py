@@ -101,12 +101,19 @@ class _LoraFinder(importlib.abc.MetaPathFinder):
         return spec
 
 
+def _warnings_only(record: logging.LogRecord) -> bool:
+    return record.levelno >= logging.WARNING
+
+
 def import_bridge() -> types.ModuleType:
     """`import megatron.bridge`, with or without TransformerEngine."""
     if not te_installed() and not any(isinstance(f, _LoraFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _LoraFinder())
-    # bridge logs every optional import it misses (TE's FP8 classes) with a traceback, at INFO
-    logging.getLogger("megatron.bridge.utils.import_utils").setLevel(logging.WARNING)
+    # bridge logs every optional import it misses (TE's FP8 classes) with a traceback, at INFO, and
+    # sets that logger's level itself when imported: a filter outlasts that
+    noisy = logging.getLogger("megatron.bridge.utils.import_utils")
+    if _warnings_only not in noisy.filters:
+        noisy.addFilter(_warnings_only)
     import megatron.bridge
 
     return megatron.bridge
