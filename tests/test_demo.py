@@ -30,3 +30,28 @@ def test_readme_demo_dry_run_on_two_simulated_nodes():
     rows = re.findall(r"^\s+(\d)\s+(\d)\s+\S+\s+\S+\s+(\d)\s+(\d)\s+\d+$", out, flags=re.M)
     assert [(int(r), int(n), int(lr)) for r, n, lr, _ in rows] == [(0, 0, 0), (1, 0, 1), (2, 1, 0), (3, 1, 1)]
     assert "dry run passed: 4 ranks on 2 node(s)" in out
+
+
+@pytest.mark.parametrize(
+    "layout", [["--nodes", "2", "--gpus-per-node", "2"], ["--nodes", "1", "--gpus-per-node", "4"]]
+)
+def test_a_plain_torchrun_script_runs_locally_on_simulated_nodes_or_more_ranks_than_cores(layout):
+    # No address: 2 simulated nodes, or 4 ranks on this 2-core machine, as torchrun would start them.
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    cmd = [
+        sys.executable,
+        "main.py",
+        "--device",
+        "cpu",
+        *layout,
+        "--log-ranks",
+        "all",
+        "examples/torchrun_script.py",
+    ]
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    rows = re.findall(r"^\s+(\d)\s+(\d)\s+\S+\s+\S+\s+(\d)\s+-\s+\d+$", out, flags=re.M)
+    nodes = int(layout[1])
+    assert sorted({int(n) for _, n, _ in rows}) == list(range(nodes)) and len(rows) == 4
+    assert out.count("sum=6 expected=6") == 4

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import socket
 from collections.abc import Iterator
@@ -120,14 +121,18 @@ def connect(spec: LaunchSpec) -> Iterator[Cluster]:
             _reachable(spec.address)
             _init(address=spec.address)
             cluster = Cluster(address=spec.address, fixed_size=False)
-        elif spec.dry_run:
+        elif spec.dry_run or (spec.nodes > 1 and not spec.uses_gpus):
+            # the exact launch a cluster will get, its nodes simulated here: NODE_RANK, GROUP_RANK and
+            # cross-node collectives over gloo can be tried on a laptop
             sim = _simulate(spec)
             _init(address=sim.address)
             cluster = Cluster(address=sim.address, fixed_size=True)
         else:
-            # "local": a private Ray for this run, even when `ray start` left one on this machine
+            # "local": a private Ray for this run, even when `ray start` left one on this machine, with
+            # a logical CPU for every rank (torchrun starts 4 ranks on 2 cores too); its real GPUs
             log.info("starting a local Ray for this run (attach to a running cluster with --address)")
-            _init(address="local", include_dashboard=False)
+            cpus = max(os.cpu_count() or 1, math.ceil(spec.world_size * spec.cpus_per_rank))
+            _init(address="local", include_dashboard=False, num_cpus=cpus)
             cluster = Cluster(address=ray.get_runtime_context().gcs_address, fixed_size=True)
         yield cluster
     finally:
@@ -151,6 +156,7 @@ def _simulate(spec: LaunchSpec):
         spec.gpus_per_node,
         "declared GPUs" if spec.uses_gpus else "CPU ranks",
     )
+    logging.getLogger("ray._private.utils").setLevel(logging.WARNING)  # "Overwriting previous Ray address"
     sim = RayCluster(initialize_head=True, head_node_args={**per_node, "include_dashboard": False})
     for _ in range(spec.nodes - 1):
         sim.add_node(**per_node)

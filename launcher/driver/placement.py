@@ -194,6 +194,11 @@ def resource_error(spec: LaunchSpec, placed: int, why: str, nodes: str, can_grow
         if can_grow
         else "or attach to a larger cluster with --address (this local Ray was started for this run and "
         "cannot grow)"
+        + (
+            "; without one, --device cpu runs the ranks on CPUs (gloo), nodes simulated here"
+            if spec.uses_gpus
+            else ""
+        )
     )
     return ResourceError(
         f"the cluster cannot fit {describe_request(spec)}: {why} ({placed} of {spec.nodes} groups placed). "
