@@ -254,3 +254,20 @@ def test_unknown_job_and_unreachable_dashboard(head, token, capsys):
     assert "no job no-such-job" in capsys.readouterr().err
     assert main(["list", "--address", f"http://127.0.0.1:{free_port()}"]) == 2
     assert "cannot reach a Ray dashboard" in capsys.readouterr().err
+
+
+def test_a_head_whose_python_lacks_megaray_ends_the_job_in_one_line(head, token, tmp_path, capsys):
+    # The job's `python` is the first on the PATH the head has: here, the interpreter outside this venv.
+    bare = tmp_path / "bin"
+    bare.mkdir()
+    (bare / "python").symlink_to(Path(sys.base_prefix) / "bin" / "python3")
+    runtime_env = json.dumps({"env_vars": {"PATH": f"{bare}:/usr/bin:/bin"}})
+    argv = ["submit", "--address", head.url, "--runtime-env-json", runtime_env, "--", "--job-name", "sub-np",
+            "--dry-run"]  # fmt: skip
+    assert main(argv) == 1
+    out, err = capsys.readouterr()
+    line = next(ln for ln in (out + err).splitlines() if ln.startswith("megaray: error: the job runs /"))
+    assert (
+        f"the job runs {bare / 'python'}, which cannot import megaray" in line and "activate the env" in line
+    )
+    assert "Traceback" not in out

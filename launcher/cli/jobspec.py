@@ -14,6 +14,7 @@ import shlex
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from ..core.spec import LaunchSpec, spec_from_args
 from ..core.spec import build_parser as build_launch_parser
 from ..core.target import TargetKind, check_target_locally
 from ..core.topology import format_table
-from ..core.versions import megaray_version
+from ..core.versions import megaray_version, python_version
 
 log = logging.getLogger("megaray")
 
@@ -248,12 +249,32 @@ def package_excludes(root: Path, user_excludes: list[str] | tuple[str, ...] = ()
     return excludes
 
 
+# What the job runs first on the head: the job's `python` is whatever `ray start --head` found first on
+# its PATH (a head started from a venv that was not activated runs the system's). If it cannot import
+# megaray, or has another Ray or Python than the client, the job ends at once in one line saying which
+# interpreter it found and how to fix it (ENV_FIX), instead of a ModuleNotFoundError from deep inside.
+ENV_FIX = (
+    "activate the environment that has megaray (and the same Ray and Python) before `ray start` on the "
+    "head, or pass --runtime-env-json with a py_executable or pip that has it"
+)
+BOOTSTRAP = f"""import sys
+try:
+    from launcher.cli.jobs import job_driver
+except ImportError as e:
+    sys.exit(f'megaray: error: the job runs {{sys.executable}}, which cannot import megaray ({{e}}): '
+             '{ENV_FIX}')
+sys.exit(job_driver(WANT_RAY, WANT_PY))"""
+
+
 def job_entrypoint(spec: SubmitSpec) -> str:
-    """The shell command the job runs on the head: this launch, named after the submission."""
+    """The shell command the job runs on the head: this launch, named after the submission, behind
+    the check of the job's interpreter (BOOTSTRAP) against this one's Ray and Python."""
     argv = list(spec.launch_argv)
     if "--job-name" not in argv and not any(a.startswith("--job-name=") for a in argv):
         argv = ["--job-name", spec.submission_id, *argv]
-    return shlex.join(["python", "-m", "launcher", *argv])
+    python_minor = python_version().rsplit(".", 1)[0]
+    code = BOOTSTRAP.replace("WANT_RAY", repr(version("ray"))).replace("WANT_PY", repr(python_minor))
+    return shlex.join(["python", "-c", code, *argv])
 
 
 def job_metadata(spec: SubmitSpec) -> dict[str, str]:
@@ -321,7 +342,10 @@ def format_status(info) -> str:
         ("exit code", "-" if getattr(info, "driver_exit_code", None) is None else str(info.driver_exit_code)),
         ("layout", meta.get("megaray.layout", "-")),
         ("target", meta.get("megaray.target", "-")),
-        ("entrypoint", info.entrypoint),
+        (
+            "launch",
+            "megaray " + " ".join(json.loads(meta.get("megaray.argv", "[]"))) if meta else info.entrypoint,
+        ),
         ("message", " ".join((info.message or "-").split())[:300]),
     ]
     return "\n".join(f"{k:<11} {v}" for k, v in rows)
