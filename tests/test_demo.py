@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -55,3 +56,32 @@ def test_a_plain_torchrun_script_runs_locally_on_simulated_nodes_or_more_ranks_t
     nodes = int(layout[1])
     assert sorted({int(n) for _, n, _ in rows}) == list(range(nodes)) and len(rows) == 4
     assert out.count("sum=6 expected=6") == 4
+
+
+ENV_PROBE = """
+import json, os, sys
+keys = ("ACCELERATE_USE_CPU", "MY_PASSWORD", "NCCL_DEBUG", "HF_HUB_OFFLINE", "RANK")
+open(os.path.join(sys.argv[1], f"env-{os.environ['RANK']}.json"), "w").write(
+    json.dumps({k: os.environ.get(k) for k in keys})
+)
+"""
+
+
+def test_local_ranks_get_the_shells_library_variables_and_nothing_else(tmp_path):
+    # The same policy as on a cluster (test_multi_node): forwarded by prefix, never the whole shell.
+    script = tmp_path / "probe.py"
+    script.write_text(ENV_PROBE)
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(ACCELERATE_USE_CPU="true", MY_PASSWORD="hunter2", NCCL_DEBUG="INFO")
+    cmd = [sys.executable, "main.py", "--device", "cpu", "--nodes", "2", "--runs-dir", str(tmp_path),
+           str(script), str(tmp_path)]  # fmt: skip
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
+    for rank in (0, 1):
+        seen = json.loads((tmp_path / f"env-{rank}.json").read_text())
+        assert seen == {"ACCELERATE_USE_CPU": "true", "MY_PASSWORD": None, "NCCL_DEBUG": "INFO",
+                        "HF_HUB_OFFLINE": "1", "RANK": str(rank)}  # fmt: skip
+    assert (
+        "variables of this shell (values not shown): ACCELERATE_USE_CPU, HF_HOME, HF_HUB_OFFLINE" in p.stderr
+    )
+    assert "hunter2" not in p.stdout + p.stderr

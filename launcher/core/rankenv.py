@@ -5,11 +5,12 @@ Precedence, stated once:
      always the launcher's; asking for one of them in `--env` or a profile is an error, and a value
      the node already had is replaced with a logged note;
   2. `--env KEY=VALUE` on the command line;
+  2b. what the launching shell exported, for the libraries ranks use (FORWARDED_PREFIXES: NCCL_,
+     TORCH_, HF_, WANDB_, ...); nothing else of the driver's environment reaches a rank;
   3. the env profile (`--env-profile`);
   4. what the node's Ray worker inherited (the environment `ray start` ran with);
   5. the launcher defaults (OMP_NUM_THREADS=1, TORCH_NCCL_ASYNC_ERROR_HANDLING=1, as torchrun).
-A higher level that changes a lower level's value is logged, never silent. The driver's own
-environment is not copied into the ranks.
+A higher level that changes a lower level's value is logged, never silent.
 """
 
 from __future__ import annotations
@@ -145,18 +146,20 @@ def decide_env(
     profile: Mapping[str, str],
     profile_name: str | None,
     overrides: Mapping[str, str],
+    forwarded: Mapping[str, str] = {},
     defaults: Mapping[str, str] = DEFAULTS,
 ) -> EnvDecision:
     """Apply the precedence in the module docstring. `node_env` is what the worker inherited."""
     to_set: dict[str, str] = {}
     notes: list[str] = []
+    upper = {**forwarded, **overrides}  # --env, then what the launching shell exported
     for key, value in contract.items():
         old = node_env.get(key)
         if old is not None and old != value and key != "CUDA_VISIBLE_DEVICES":
             notes.append(f"{key}: node had {_shown(key, old)}, launcher sets {_shown(key, value)}")
         to_set[key] = value
     for key, value in defaults.items():
-        if key in overrides or key in profile:
+        if key in upper or key in profile:
             continue
         old = node_env.get(key)
         if old is None:
@@ -165,22 +168,43 @@ def decide_env(
             shown = f"keeping the node's {_shown(key, old)} (launcher default {_shown(key, value)})"
             notes.append(f"{key}: {shown}")
     for key, value in profile.items():
-        if key in overrides:
+        if key in upper:
             continue
         old = node_env.get(key)
         if old is not None and old != value:
             shown = f"profile {profile_name} sets {_shown(key, value)} over the node's {_shown(key, old)}"
             notes.append(f"{key}: {shown}")
         to_set[key] = value
-    for key, value in overrides.items():
+    for key, value in upper.items():
+        source = "--env" if key in overrides else "the launching shell"
         old = node_env.get(key)
         if old is not None and old != value:
-            notes.append(f"{key}: --env sets its value over the node's {_shown(key, old)}")
+            notes.append(f"{key}: {source} sets its value over the node's {_shown(key, old)}")
         elif key in profile and profile[key] != value:
             theirs = _shown(key, profile[key])
-            notes.append(f"{key}: --env sets its value over profile {profile_name}'s {theirs}")
+            notes.append(f"{key}: {source} sets its value over profile {profile_name}'s {theirs}")
         to_set[key] = value
     return EnvDecision(to_set=to_set, notes=tuple(notes))
+
+
+# What a torchrun user expects to reach the ranks from the shell that launches them: the variables of
+# the libraries ranks run (NCCL and torch, CUDA, Hugging Face, W&B, Accelerate, TransformerEngine,
+# Megatron, OpenMP). Nothing else of the driver's environment does, locally or on a cluster.
+FORWARDED_PREFIXES = (
+    "NCCL_", "TORCH_", "TORCHINDUCTOR_", "PYTORCH_", "CUDA_", "CUBLAS_", "CUDNN_", "NVIDIA_", "HF_",
+    "HUGGING_FACE_", "TRANSFORMERS_", "TOKENIZERS_", "DATASETS_", "WANDB_", "ACCELERATE_", "NVTE_",
+    "MEGATRON", "OMP_", "GLOO_", "FI_",
+)  # fmt: skip
+NOT_FORWARDED = frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_HOME"})  # the node's own
+
+
+def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The launching shell's variables that every rank gets (FORWARDED_PREFIXES)."""
+    return {
+        k: v
+        for k, v in sorted(environ.items())
+        if k.startswith(FORWARDED_PREFIXES) and k not in NOT_FORWARDED and k not in CONTRACT_KEYS
+    }
 
 
 def parse_env_pairs(pairs: list[str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -217,6 +241,7 @@ def decide_envs(
     profile: Mapping[str, str],
     profile_name: str | None,
     overrides: Mapping[str, str],
+    forwarded: Mapping[str, str] = {},
 ) -> list[EnvDecision]:
     """Every rank's env, by rank: the contract (CUDA_VISIBLE_DEVICES from the GPU ids Ray gave the
     node's ranks, in local-rank order), then the precedence of `decide_env`."""
@@ -240,7 +265,12 @@ def decide_envs(
         )
         decisions.append(
             decide_env(
-                contract, node_env=node_env, profile=profile, profile_name=profile_name, overrides=overrides
+                contract,
+                node_env=node_env,
+                profile=profile,
+                profile_name=profile_name,
+                overrides=overrides,
+                forwarded=forwarded,
             )
         )
     return decisions

@@ -18,7 +18,7 @@ from pathlib import Path
 from .args import ArgumentParser
 from .errors import UsageError
 from .progress import H100_SXM_BF16_TFLOPS
-from .rankenv import parse_env_pairs
+from .rankenv import forwarded_env, parse_env_pairs
 from .recipes import check_overrides, load_recipe
 from .target import DRY_RUN_TARGET, Target, TargetKind, parse_dry_run_options
 from .topology import parse_rank_list
@@ -49,6 +49,7 @@ class LaunchSpec:
     master_port: int | None = None
     env_profile: str | None = None
     env: tuple[tuple[str, str], ...] = ()
+    forwarded: tuple[tuple[str, str], ...] = ()  # the launching shell's NCCL_, TORCH_, HF_, ... variables
     cwd: str = field(default_factory=os.getcwd)
     check_only: bool = False  # --check: validate the Megatron layout in the driver, then exit
     log_ranks: str = "0"  # ranks whose output the console shows ("all", or "0,3,8-11")
@@ -282,6 +283,7 @@ def spec_from_args(
             master_port=args.master_port,
             env_profile=args.env_profile,
             env=tuple(env.items()),
+            forwarded=tuple(forwarded_env(environ).items()),
             cwd=cwd or os.getcwd(),
             check_only=args.check,
             log_ranks=args.log_ranks,

@@ -124,7 +124,8 @@ def connect(spec: LaunchSpec) -> Iterator[Cluster]:
         elif spec.dry_run or (spec.nodes > 1 and not spec.uses_gpus):
             # the exact launch a cluster will get, its nodes simulated here: NODE_RANK, GROUP_RANK and
             # cross-node collectives over gloo can be tried on a laptop
-            sim = _simulate(spec)
+            with node_environment():
+                sim = _simulate(spec)
             _init(address=sim.address)
             cluster = Cluster(address=sim.address, fixed_size=True)
         else:
@@ -132,7 +133,8 @@ def connect(spec: LaunchSpec) -> Iterator[Cluster]:
             # a logical CPU for every rank (torchrun starts 4 ranks on 2 cores too); its real GPUs
             log.info("starting a local Ray for this run (attach to a running cluster with --address)")
             cpus = max(os.cpu_count() or 1, math.ceil(spec.world_size * spec.cpus_per_rank))
-            _init(address="local", include_dashboard=False, num_cpus=cpus)
+            with node_environment():
+                _init(address="local", include_dashboard=False, num_cpus=cpus)
             cluster = Cluster(address=ray.get_runtime_context().gcs_address, fixed_size=True)
         yield cluster
     finally:
@@ -140,6 +142,31 @@ def connect(spec: LaunchSpec) -> Iterator[Cluster]:
             ray.shutdown()
         if sim is not None:
             sim.shutdown()
+
+
+# What a node's `ray start` would have in its environment: the login basics and the Python it runs,
+# Ray's own settings and machine-level fixes; not the variables of whoever launched (rankenv.py
+# forwards the ones ranks need, the same way locally and on a cluster).
+NODE_ENV = frozenset({
+    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TEMP", "TMP", "HOSTNAME",
+    "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "CONDA_PREFIX", "CONDA_DEFAULT_ENV", "LD_LIBRARY_PATH",
+    "LD_PRELOAD", "CUDA_HOME", "CUDA_VISIBLE_DEVICES",
+})  # fmt: skip
+NODE_ENV_PREFIXES = ("LC_", "RAY_", "PYENV", "OPENBLAS_")
+
+
+@contextlib.contextmanager
+def node_environment() -> Iterator[None]:
+    """Start local Ray processes with a node's environment, not the driver's (restored after)."""
+    saved = dict(os.environ)
+    keep = {k: v for k, v in saved.items() if k in NODE_ENV or k.startswith(NODE_ENV_PREFIXES)}
+    os.environ.clear()
+    os.environ.update(keep)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 def _simulate(spec: LaunchSpec):

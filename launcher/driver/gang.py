@@ -176,7 +176,7 @@ class RankGang:
             )
         )
         log_topology(self.ranks, self.master)
-        log_env(self.handles, hidden=set(self.spec.env_overrides))
+        log_env(self.handles, hidden=set(self.spec.env_overrides) | {k for k, _ in self.spec.forwarded})
         return envs
 
     def _start_actors(self) -> tuple[list, list[RankReport]]:
@@ -242,6 +242,7 @@ class RankGang:
             profile=self.profile,
             profile_name=spec.env_profile,
             overrides=spec.env_overrides,
+            forwarded=dict(spec.forwarded),
         )
 
     # -- run and watch (the gang side of supervise.py) ---------------------------------------------
@@ -325,8 +326,9 @@ def log_topology(ranks: tuple[RankInfo, ...], master: tuple[str, int]) -> None:
 
 def log_env(handles: tuple[RankHandle, ...], hidden: set[str]) -> None:
     """Rank 0's env, then each note about a node value that was changed, with the ranks it concerns.
-    Values given with --env (`hidden`) are never printed: the console ends up in job logs."""
-    first = {k: ("<from --env>" if k in hidden else v) for k, v in redact(handles[0].env.to_set).items()}
+    Values given with --env or forwarded from the launching shell (`hidden`) are never printed: the
+    console ends up in job logs."""
+    first = {k: ("<not shown>" if k in hidden else v) for k, v in redact(handles[0].env.to_set).items()}
     log.info("env of rank 0: %s", " ".join(f"{k}={v}" for k, v in sorted(first.items())))
     notes: dict[str, list[int]] = {}
     for h in handles:

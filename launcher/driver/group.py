@@ -8,13 +8,14 @@ process group from the env as any rank of `launch` would.
 from __future__ import annotations
 
 import contextlib
+import os
 import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from ..core.errors import RankFailedError
 from ..core.profiles import load_profile
-from ..core.rankenv import check_user_env
+from ..core.rankenv import check_user_env, forwarded_env
 from ..core.spec import DEFAULT_PLACEMENT_TIMEOUT_S, LaunchSpec, default_job_name
 from ..core.target import GROUP_TARGET
 from .cluster import connect
@@ -78,6 +79,7 @@ class RankGroup:
             placement_timeout_s=placement_timeout_s,
             env_profile=env_profile,
             env=tuple((env or {}).items()),
+            forwarded=tuple(forwarded_env(os.environ).items()),
         )
         profile = load_profile(env_profile) if env_profile else {}
         stack = contextlib.ExitStack()

@@ -74,6 +74,9 @@ def _launch(spec: LaunchSpec) -> LaunchResult:
     run.write_spec(spec)
     if plan is not None:
         run.write_config(plan.config)
+    if spec.forwarded:
+        names = ", ".join(k for k, _ in spec.forwarded)
+        log.info("every rank gets these variables of this shell (values not shown): %s", names)
     stop = StopSignal()
     progress = ProgressView(plan.facts if plan else TrainingFacts(), spec.world_size, spec.peak_tflops)
     restarts: list[dict[str, Any]] = []
