@@ -19,7 +19,7 @@ def test_the_job_runs_the_same_launch_named_after_the_submission(tmp_path):
     )
     cmd = shlex.split(job_entrypoint(spec))
     assert (
-        cmd[:2] == ["python", "-c"] and "from launcher.cli.jobs import job_driver" in cmd[2]
+        cmd[:2] == ["python", "-c"] and "from launcher.cli.main import job_driver" in cmd[2]
     )  # the bootstrap
     assert cmd[3:] == ["--job-name", spec.submission_id, "--nodes", "2", "train.py", "--lr", "1e-4"]
     assert spec.runtime_env["working_dir"] == str(tmp_path.resolve())

@@ -177,26 +177,6 @@ def submit(spec: SubmitSpec) -> int:
     return follow(client, job)
 
 
-def job_driver(want_ray: str, want_python: str) -> int:
-    """The launch inside a submitted job (after BOOTSTRAP imported this), once the job's interpreter is
-    known to have the client's Ray and Python."""
-    import ray
-
-    from ..core.versions import python_version
-    from .jobspec import ENV_FIX
-    from .main import main as launch_main
-
-    here = python_version()
-    if (ray.__version__, here.rsplit(".", 1)[0]) != (want_ray, want_python):
-        print(
-            f"megaray: error: the job runs {sys.executable} with Ray {ray.__version__} and Python {here}; "
-            f"megaray submit has Ray {want_ray} and Python {want_python}: {ENV_FIX}",
-            file=sys.stderr,
-        )
-        return 2
-    return launch_main(sys.argv[1:])
-
-
 def main(argv: list[str]) -> int:
     """Dispatch `megaray <command> ...` for the job commands; raises MegarayError on bad input."""
     if argv[0] == "submit":

@@ -259,7 +259,7 @@ ENV_FIX = (
 )
 BOOTSTRAP = f"""import sys
 try:
-    from launcher.cli.jobs import job_driver
+    from launcher.cli.main import job_driver
 except ImportError as e:
     sys.exit(f'megaray: error: the job runs {{sys.executable}}, which cannot import megaray ({{e}}): '
              '{ENV_FIX}')

@@ -121,3 +121,22 @@ def _report_dry_run(views: list[dict], nodes: int) -> int:
         first["tp"], first["pp"], first["dp"], curve[0], curve[-1], len(curve), shown, len(trained),
     )  # fmt: skip
     return 0
+
+
+def job_driver(want_ray: str, want_python: str) -> int:
+    """The launch inside a submitted job (after BOOTSTRAP imported this), once the job's interpreter is
+    known to have the client's Ray and Python."""
+    import ray
+
+    from ..core.versions import python_version
+    from .jobspec import ENV_FIX
+
+    here = python_version()
+    if (ray.__version__, here.rsplit(".", 1)[0]) != (want_ray, want_python):
+        print(
+            f"megaray: error: the job runs {sys.executable} with Ray {ray.__version__} and Python {here}; "
+            f"megaray submit has Ray {want_ray} and Python {want_python}: {ENV_FIX}",
+            file=sys.stderr,
+        )
+        return 2
+    return main(sys.argv[1:])
