@@ -12,6 +12,7 @@ import pytest
 import ray
 
 from launcher.cli import main
+from launcher.rank.probes import interface_of
 
 from .conftest import REPO, free_port, leftovers, read_ranks
 
@@ -68,6 +69,8 @@ def test_two_cpu_ranks_get_the_torchrun_contract_and_all_reduce(out, capsys):
         assert e["CUDA_VISIBLE_DEVICES"] == ""  # CPU mode: no GPU is visible to the program
         assert s["argv"] == ["tests.targets", "a", "--b"]
         assert e["PWD"] == s["cwd"] == str(REPO)  # as a shell sets it, not the `ray start` folder
+        iface = interface_of(e["MASTER_ADDR"])  # one node: the interface of its Ray IP, not the hostname's
+        assert iface and (e["GLOO_SOCKET_IFNAME"], e["NCCL_SOCKET_IFNAME"]) == (iface, f"={iface}")
         assert not s["torch_preloaded"]
     assert seen[0]["env"]["MASTER_ADDR"] == seen[1]["env"]["MASTER_ADDR"]
     port = int(seen[0]["env"]["MASTER_PORT"])

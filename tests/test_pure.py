@@ -442,3 +442,23 @@ def test_installed_answers_for_dotted_names_whose_parent_is_missing():
     assert installed("json.decoder")
     assert not installed("no_such_top_level_pkg.core")
     assert not installed("json.no_such_submodule")
+
+
+def test_each_rank_names_the_interface_of_its_nodes_ray_ip_unless_told_otherwise():
+    from launcher.core.rankenv import decide_envs
+    from launcher.core.topology import RankSlot
+
+    slots = [RankSlot(r, 0, r, r, 0, f"10.0.0.{r + 1}", f"n{r}") for r in range(3)]
+    common = dict(world_size=3, local_world_size=1, num_nodes=3, master_addr="10.0.0.1", master_port=29500,
+                  run_id="j", restart_count=0, max_restarts=0, profile_name="tcp", overrides={})  # fmt: skip
+    node_envs = [{}, {"GLOO_SOCKET_IFNAME": "bond0"}, {}]
+    d = decide_envs(slots, [(), (), ()], node_envs, profile={}, ifaces=["eth0", "ens5", None], **common)
+    assert (d[0].to_set["GLOO_SOCKET_IFNAME"], d[0].to_set["NCCL_SOCKET_IFNAME"]) == ("eth0", "=eth0")
+    assert "GLOO_SOCKET_IFNAME" not in d[1].to_set  # the node's own setting is kept, and said
+    assert any("GLOO_SOCKET_IFNAME: keeping the node's 'bond0'" in n for n in d[1].notes)
+    assert "GLOO_SOCKET_IFNAME" not in d[2].to_set  # interface unknown: nothing guessed
+    profile = {"NCCL_SOCKET_IFNAME": "^docker,lo,veth"}  # env/tcp.yaml
+    d = decide_envs(slots, [(), (), ()], [{}, {}, {}], profile=profile, ifaces=["eth0"] * 3, **common)
+    assert (
+        d[0].to_set["NCCL_SOCKET_IFNAME"] == "^docker,lo,veth" and d[0].to_set["GLOO_SOCKET_IFNAME"] == "eth0"
+    )

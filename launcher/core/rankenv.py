@@ -9,7 +9,8 @@ Precedence, stated once:
      TORCH_, HF_, WANDB_, ...); nothing else of the driver's environment reaches a rank;
   3. the env profile (`--env-profile`);
   4. what the node's Ray worker inherited (the environment `ray start` ran with);
-  5. the launcher defaults (OMP_NUM_THREADS=1, TORCH_NCCL_ASYNC_ERROR_HANDLING=1, as torchrun).
+  5. the launcher defaults (OMP_NUM_THREADS=1, TORCH_NCCL_ASYNC_ERROR_HANDLING=1, as torchrun; and
+     GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME naming the interface of the node's Ray IP).
 A higher level that changes a lower level's value is logged, never silent.
 """
 
@@ -225,6 +226,13 @@ def parse_env_pairs(pairs: list[str], environ: Mapping[str, str] | None = None) 
     return out
 
 
+def interface_defaults(iface: str | None) -> dict[str, str]:
+    """Gloo and NCCL's socket bootstrap pick the address to advertise from the hostname, which often
+    resolves to loopback (Ubuntu's 127.0.1.1): ranks on other machines then cannot connect. Name the
+    interface that holds the node's Ray IP instead (NCCL's `=` asks for that exact name)."""
+    return {"GLOO_SOCKET_IFNAME": iface, "NCCL_SOCKET_IFNAME": f"={iface}"} if iface else {}
+
+
 def decide_envs(
     slots: list[RankSlot],
     gpu_ids: list[tuple[str, ...]],
@@ -242,6 +250,7 @@ def decide_envs(
     profile_name: str | None,
     overrides: Mapping[str, str],
     forwarded: Mapping[str, str] = {},
+    ifaces: list[str | None] | None = None,
 ) -> list[EnvDecision]:
     """Every rank's env, by rank: the contract (CUDA_VISIBLE_DEVICES from the GPU ids Ray gave the
     node's ranks, in local-rank order), then the precedence of `decide_env`."""
@@ -250,7 +259,7 @@ def decide_envs(
         by_node.setdefault(s.node_rank, []).append(ids)
     visible = {n: visible_devices([list(i) for i in ids]) for n, ids in by_node.items()}
     decisions = []
-    for s, node_env in zip(slots, node_envs, strict=True):
+    for s, node_env, iface in zip(slots, node_envs, ifaces or [None] * len(slots), strict=True):
         contract = contract_env(
             s,
             world_size=world_size,
@@ -271,6 +280,7 @@ def decide_envs(
                 profile_name=profile_name,
                 overrides=overrides,
                 forwarded=forwarded,
+                defaults={**DEFAULTS, **interface_defaults(iface)},
             )
         )
     return decisions

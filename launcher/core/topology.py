@@ -36,6 +36,7 @@ class RankReport:
     ray_version: str
     python_version: str
     inherited_env: dict[str, str]
+    iface: str | None = None  # the node's interface that holds node_ip
 
 
 @dataclass(frozen=True)

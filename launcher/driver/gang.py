@@ -243,6 +243,7 @@ class RankGang:
             profile_name=spec.env_profile,
             overrides=spec.env_overrides,
             forwarded=dict(spec.forwarded),
+            ifaces=[r.iface for r in self.reports],
         )
 
     # -- run and watch (the gang side of supervise.py) ---------------------------------------------

@@ -25,7 +25,14 @@ from ..core.refs import load_function, split_ref
 from ..core.target import Target, TargetKind
 from ..core.topology import RankReport, candidate_ports
 from ..core.versions import python_version
-from .probes import REPLACED_EXIT_TIMEOUT_S, ephemeral_range, inherited_env, port_is_free, wait_gone
+from .probes import (
+    REPLACED_EXIT_TIMEOUT_S,
+    ephemeral_range,
+    inherited_env,
+    interface_of,
+    port_is_free,
+    wait_gone,
+)
 
 _THIS_FILE = str(Path(__file__).resolve())
 
@@ -59,6 +66,7 @@ class RankActor:
             ray_version=ray.__version__,
             python_version=python_version(),
             inherited_env=inherited_env(),
+            iface=interface_of(self.node_ip),
         )
 
     def free_ports(self, seed: str, count: int, exact: int | None = None) -> list[int]:

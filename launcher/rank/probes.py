@@ -136,6 +136,16 @@ def wait_exited(pids: list[int], grace_s: float) -> list[float | None]:
     return took
 
 
+def interface_of(ip: str) -> str | None:
+    """The network interface on this node that holds `ip` (the node's Ray IP), or None."""
+    import psutil  # a Ray dependency
+
+    for name, addrs in psutil.net_if_addrs().items():
+        if any(a.address.split("%")[0] == ip for a in addrs):
+            return name
+    return None
+
+
 REPLACED_EXIT_TIMEOUT_S = 30.0
 
 
