@@ -55,3 +55,56 @@ def test_an_unchanged_gloo_program_runs_across_three_machines_in_numeric_ip_orde
                                                  ("2", "2", "10.77.0.11")]  # fmt: skip
     assert "MASTER_ADDR=10.77.0.9" in out and "GLOO_SOCKET_IFNAME=mrw1" in out  # rank 0's machine
     assert out.count("sum=3 expected=3") == 3
+
+
+LOOP = """
+import time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+step = 0
+while True:
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    print("step", step, flush=True)
+    step += 1
+    time.sleep(0.2)
+"""
+
+
+def _left_on_the_cluster(dashboard: str, job: str) -> str:
+    code = (
+        "from ray.util.state import list_actors, list_placement_groups\n"
+        f"a = [x.name for x in list_actors(address={dashboard!r}, limit=10000) if x.state != 'DEAD' "
+        f"and (x.name or '').startswith({job!r})]\n"
+        f"g = [x.name for x in list_placement_groups(address={dashboard!r}, limit=10000) "
+        f"if x.state != 'REMOVED' and (x.name or '').startswith({job!r})]\n"
+        "print(a, g)"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code], env=_env(), capture_output=True, text=True
+    ).stdout.strip()
+
+
+def test_a_cut_link_fails_the_job_fast_naming_the_lost_machine(machines, tmp_path):
+    # Last in this module: the machine cut off stays lost.
+    import time
+
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    cmd = [sys.executable, "main.py", "--address", machines, "--device", "cpu", "--nodes", "3",
+           "--job-name", "cutlink", "--runs-dir", str(tmp_path), str(script)]  # fmt: skip
+    p = subprocess.Popen(
+        cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+    log = tmp_path / "cutlink" / "rank-0.log"
+    deadline = time.monotonic() + 120
+    while "step 5" not in (log.read_text() if log.exists() else ""):
+        assert p.poll() is None and time.monotonic() < deadline, p.communicate()[0][-3000:]
+        time.sleep(0.2)
+    t0 = time.monotonic()
+    subprocess.run(["bash", str(SCRIPT), "cut", "2"], env=_env(), check=True, timeout=60)  # 10.77.0.11
+    out, _ = p.communicate(timeout=180)
+    took = time.monotonic() - t0
+    assert p.returncode == 1, out[-4000:]
+    assert re.search(r"what\s+: its node 10\.77\.0\.11 \(node id [0-9a-f]{8}\) was lost", out), out[-3000:]
+    assert took < 120  # Ray's health checks, then the teardown: not gloo's 30-minute collective timeout
+    assert _left_on_the_cluster(machines.replace(":36500", ":36501"), "cutlink") == "[] []"

@@ -15,6 +15,7 @@ import ray
 
 from ..core.errors import ClusterError
 from ..core.spec import LaunchSpec
+from ..core.target import TargetKind
 from ..core.topology import RankReport
 from ..core.versions import python_version
 
@@ -90,7 +91,7 @@ def _init(**kwargs: Any) -> None:
 
     address = kwargs.get("address")
     try:
-        ray.init(namespace=NAMESPACE, log_to_driver=True, logging_level=logging.WARNING, **kwargs)
+        ray.init(namespace=NAMESPACE, logging_level=logging.WARNING, **kwargs)
     except (AuthenticationError, ConnectionError, RuntimeError) as e:
         if _caused_by_auth(e):
             raise ClusterError(f"the Ray cluster at {address} {_AUTH_HINT}") from None
@@ -116,17 +117,21 @@ def connect(spec: LaunchSpec) -> Iterator[Cluster]:
         yield Cluster(address=ctx.gcs_address, fixed_size=False)
         return
     sim = None
+    # A launch collects its ranks' output itself (driver/relay.py): Ray's own streaming would only add
+    # its raylet and autoscaler chatter (and a warning for every rank stopped by SIGTERM) to the
+    # console. A rank group has no sink and relies on it.
+    streams = spec.target.kind is TargetKind.GROUP
     try:
         if spec.address:
             _reachable(spec.address)
-            _init(address=spec.address)
+            _init(address=spec.address, log_to_driver=streams)
             cluster = Cluster(address=spec.address, fixed_size=False)
         elif spec.dry_run or (spec.nodes > 1 and not spec.uses_gpus):
             # the exact launch a cluster will get, its nodes simulated here: NODE_RANK, GROUP_RANK and
             # cross-node collectives over gloo can be tried on a laptop
             with node_environment():
                 sim = _simulate(spec)
-            _init(address=sim.address)
+            _init(address=sim.address, log_to_driver=streams)
             cluster = Cluster(address=sim.address, fixed_size=True)
         else:
             # "local": a private Ray for this run, even when `ray start` left one on this machine, with
@@ -134,7 +139,7 @@ def connect(spec: LaunchSpec) -> Iterator[Cluster]:
             log.info("starting a local Ray for this run (attach to a running cluster with --address)")
             cpus = max(os.cpu_count() or 1, math.ceil(spec.world_size * spec.cpus_per_rank))
             with node_environment():
-                _init(address="local", include_dashboard=False, num_cpus=cpus)
+                _init(address="local", include_dashboard=False, num_cpus=cpus, log_to_driver=streams)
             cluster = Cluster(address=ray.get_runtime_context().gcs_address, fixed_size=True)
         yield cluster
     finally:
