@@ -13,7 +13,8 @@ import ray
 from ..core.errors import RankFailure
 from ..core.topology import format_rank_ranges
 from ..rank.probes import wait_exited
-from .actors import first_line, on_node
+from .actors import first_line, on_node, wait_all
+from .supervise import StopSignal
 
 if TYPE_CHECKING:
     from .gang import RankHandle
@@ -21,10 +22,12 @@ if TYPE_CHECKING:
 log = logging.getLogger("megaray")
 
 
-def exit_gracefully(handles: tuple[RankHandle, ...], lingering: dict[int, list[str]], grace_s: float) -> None:
+def exit_gracefully(
+    handles: tuple[RankHandle, ...], lingering: dict[int, list[str]], grace_s: float, stop: StopSignal
+) -> None:
     """Watch the processes of ranks told to exit end as Python processes do (non-daemon threads
     joined, atexit handlers run: trackers flush, uploads finish), each by a task on its node; kill
-    and name those still running after `grace_s`."""
+    and name those still running after `grace_s`. Ctrl-C stops the wait."""
     by_node: dict[str, list[RankHandle]] = {}
     for h in handles:
         by_node.setdefault(h.report.node_id, []).append(h)
@@ -33,10 +36,11 @@ def exit_gracefully(handles: tuple[RankHandle, ...], lingering: dict[int, list[s
         node: task.options(**on_node(node)).remote([h.report.pid for h in hs], grace_s)
         for node, hs in by_node.items()
     }
+    wait_all(list(refs.values()), grace_s + 60, stop)
     killed = []
     for node, ref in refs.items():
         try:
-            took = ray.get(ref, timeout=grace_s + 60)
+            took = ray.get(ref, timeout=0)
         except ray.exceptions.RayError as e:
             log.warning("could not watch the ranks on node %s exit: %s", node[:8], first_line(e))
             continue

@@ -293,7 +293,7 @@ class RankGang:
         node; one still running after `grace_s` is killed and named (endings.py)."""
         for a in self.actors:
             a.__ray_terminate__.remote()
-        exit_gracefully(self.handles, self.lingering, grace_s)
+        exit_gracefully(self.handles, self.lingering, grace_s, self.stop)
         self.mark("exited")
 
     def wait_stopped(self, refs: list, grace_s: float) -> None:
