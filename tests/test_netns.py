@@ -107,4 +107,5 @@ def test_a_cut_link_fails_the_job_fast_naming_the_lost_machine(machines, tmp_pat
     assert p.returncode == 1, out[-4000:]
     assert re.search(r"what\s+: its node 10\.77\.0\.11 \(node id [0-9a-f]{8}\) was lost", out), out[-3000:]
     assert took < 120  # Ray's health checks, then the teardown: not gloo's 30-minute collective timeout
-    assert _left_on_the_cluster(machines.replace(":36500", ":36501"), "cutlink") == "[] []"
+    dashboard = "http://" + machines.replace(":36500", ":36501")
+    assert _left_on_the_cluster(dashboard, "cutlink") == "[] []"
