@@ -102,6 +102,7 @@ class RankGang:
         self.master: tuple[str, int] = ("", 0)
         self.port_reserved: tuple[str, int] | None = None
         self.lingering: dict[int, list[str]] = {}  # what each returned rank's process still runs
+        self.lost: dict[str, bool] = {}  # node id -> gone, asked once per node as its ranks die
         self.t0 = time.monotonic()
         self.timings: dict[str, float] = {}
 
@@ -264,7 +265,10 @@ class RankGang:
             out = ray.get(ref)
         except ray.exceptions.RayActorError as e:
             summary = f"{describe_death(str(e))} (pid {h.report.pid})"
-            if node_lost(h.report.node_id):  # Ray says so only after its health checks, seconds later
+            node_id = h.report.node_id
+            if node_id not in self.lost:  # Ray says so only after its health checks, seconds later
+                self.lost[node_id] = node_lost(node_id)
+            if self.lost[node_id]:
                 ranks = format_rank_ranges(
                     x.slot.rank for x in self.handles if x.report.node_id == h.report.node_id
                 )
@@ -298,10 +302,8 @@ class RankGang:
 
     def wait_stopped(self, refs: list, grace_s: float) -> None:
         """After a stop: give the ranks still running `grace_s` to end on their SIGTERM."""
-        pending = [r for r in refs if not ray.wait([r], timeout=0)[0]]
-        if pending:
-            with contextlib.suppress(Interrupted):  # a second Ctrl-C: kill at once
-                wait_all(pending, grace_s, self.stop)
+        with contextlib.suppress(Interrupted):  # a second Ctrl-C: kill at once
+            wait_all(refs, grace_s, self.stop)
 
     # -- end --------------------------------------------------------------------------------------
     def teardown(self, *, keep_groups: bool = False) -> None:

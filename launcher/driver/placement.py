@@ -126,9 +126,9 @@ def place_groups(spec: LaunchSpec, name: str, stop: StopSignal, fixed_size: bool
     groups = create_groups(spec, name)
     try:
         _wait_placed(groups, deadline, stop)
-        while (shared := first_sharing(groups)) is not None:
-            others = [node_of(g) for j, g in enumerate(groups) if j != shared]
+        while (shared := first_repeat(nodes := [node_of(g) for g in groups])) is not None:
             remove_groups([groups[shared]])
+            others = nodes[:shared] + nodes[shared + 1 :]
             groups[shared] = create_group(spec, f"{name}-node{shared}", exclude_nodes=others)
             _wait_placed(groups, deadline, stop)
     except _NotPlaced as e:
@@ -158,11 +158,10 @@ def node_of(group: PlacementGroup) -> str:
     return placement_group_table(group)["bundles_to_node_id"][0]
 
 
-def first_sharing(groups: list[PlacementGroup]) -> int | None:
-    """The first group whose node an earlier group holds already, or None."""
+def first_repeat(nodes: list[str]) -> int | None:
+    """The index of the first group whose node an earlier group holds already, or None."""
     seen: set[str] = set()
-    for i, g in enumerate(groups):
-        node = node_of(g)
+    for i, node in enumerate(nodes):
         if node in seen:
             return i
         seen.add(node)
@@ -174,8 +173,7 @@ def resolve_nodes(groups: list[PlacementGroup]) -> list[NodeSlot]:
     nodes = {n["NodeID"]: n for n in ray.nodes()}
     slots = []
     for i, g in enumerate(groups):
-        table = placement_group_table(g)
-        node_id = table["bundles_to_node_id"][0]
+        node_id = node_of(g)
         node = nodes[node_id]
         slots.append(
             NodeSlot(
