@@ -207,8 +207,42 @@ def test_a_killed_rank_takes_the_job_down_fast(out, capsys):
     assert code == 1
     assert returned_after < 5, f"the launcher took {returned_after:.1f}s to notice and tear down"
     err = capsys.readouterr().err
-    assert "rank      : 1 of 2" in err and "its process exited unexpectedly" in err
+    assert "rank      : 1 of 2" in err and "a signal sent from outside the job (SIGKILL, SIGTERM)" in err
     assert leftovers("sigkill") == ([], [])
+
+
+DEATH_PROBE = """
+import ctypes, os, sys, time
+if os.environ["RANK"] == "1":
+    for i in range(3):
+        print(f"step {i}")
+    print("last words before dying", flush=True)
+    if sys.argv[1] == "segv":
+        ctypes.string_at(0)
+    os._exit(7)
+time.sleep(600)
+"""
+
+
+@pytest.mark.parametrize("how", ["segv", "exit"])
+def test_a_rank_that_dies_abruptly_keeps_its_last_output_and_names_the_signal(tmp_path, capsys, how):
+    script = tmp_path / "die.py"
+    script.write_text(DEATH_PROBE)
+    args = ["--device", "cpu", "--gpus-per-node", "2", "--runs-dir", str(tmp_path), str(script), how]
+    assert launch("deathprobe", *args) == 1
+    err = capsys.readouterr().err
+    assert "rank      : 1 of 2" in err
+    report = err[err.index("Root cause") :]
+    assert "last output" in report and "    last words before dying" in report
+    if how == "segv":
+        assert "killed by SIGSEGV (segmentation fault" in report
+        assert "Fatal Python error: Segmentation fault" in report  # faulthandler's stack, kept
+        assert 'die.py", line 8 in <module>' in report and "logging.cc" not in report
+    else:
+        assert "ended without a Python exception or a fatal-error report: os._exit()" in report
+    log = (tmp_path / "deathprobe" / "rank-1.log").read_text()
+    assert log.count("[r1 n0] last words before dying") == 1 and "[r1 n0] step 0" in log
+    assert leftovers("deathprobe") == ([], [])
 
 
 def test_a_request_larger_than_the_cluster_exits_2_within_the_timeout(capsys):
@@ -325,6 +359,7 @@ def later():
 
 threading.Thread(target=later).start()  # non-daemon: the interpreter waits for it at exit
 atexit.register(lambda: open(os.path.join(out, f"atexit-{rank}"), "w").write("done"))
+atexit.register(print, f"rank {rank} says goodbye from atexit")
 """
 
 
@@ -355,6 +390,8 @@ def test_ranks_end_like_processes_atexit_and_threads_run_as_under_torchrun(tmp_p
         assert sorted(p.name for p in out.iterdir()) == ["atexit-0", "atexit-1", "thread-0", "thread-1"], (
             launcher
         )
+    # what the handlers print on the way out reaches the rank's log, as torchrun's console shows it
+    assert "rank 1 says goodbye from atexit" in (tmp_path / "exitprobe" / "rank-1.log").read_text()
     assert leftovers("exitprobe") == ([], [])
 
 

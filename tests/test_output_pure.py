@@ -35,10 +35,17 @@ def test_bad_rank_lists_say_why(text):
 
 def test_the_sink_prefixes_lines_keeps_partial_ones_and_picks_console_ranks(tmp_path):
     sink = OutputSink(str(tmp_path), node_of_rank=[0, 0, 1, 1], console=frozenset({0}))
-    sink.write(2, "first line\nhalf a ")
-    sink.write(0, "rank zero\n")
-    sink.write(2, "line\n" + BRIDGE_LINE + "\n")
-    sink.write(3, "no newline at the end")
+    sent: dict[int, int] = {}
+
+    def write(rank: int, text: str) -> None:
+        data = text.encode()
+        sink.write(rank, data, sent.get(rank, 0))
+        sent[rank] = sent.get(rank, 0) + len(data)
+
+    write(2, "first line\nhalf a ")
+    write(0, "rank zero\n")
+    write(2, "line\n" + BRIDGE_LINE + "\n")
+    write(3, "no newline at the end")
     console, progress, writes = sink.drain()
     assert writes == 4
     assert console == ["[r0 n0] rank zero"]
@@ -51,6 +58,22 @@ def test_the_sink_prefixes_lines_keeps_partial_ones_and_picks_console_ranks(tmp_
     ]
     assert (tmp_path / "rank-3.log").read_text() == "[r3 n1] no newline at the end\n"
     assert (tmp_path / "rank-3.log").stat().st_mode & 0o777 == 0o600  # rank output can hold secrets
+
+
+def test_the_sink_writes_what_the_rank_and_a_salvage_both_sent_once(tmp_path):
+    """A dead rank's spool is shipped from its node while the rank's own last message may still be
+    on its way: bytes arrive by offset, overlapping, repeated, or with a gap (a long spool's end)."""
+    sink = OutputSink(str(tmp_path), node_of_rank=[0], console=frozenset({0}))
+    spool = "step 1\nstep 2\nlast w\u00f6rds before os._exit\n".encode()
+    sink.write(0, spool[:10], 0)
+    sink.write(0, spool[4:], 4)  # the salvage, from an older offset
+    sink.write(0, spool[10:20], 10)  # the rank's own message, arriving late
+    assert sink.received_bytes(0) == len(spool)
+    assert sink.tail(0) == ["step 1", "step 2", "last w\u00f6rds before os._exit"]
+    sink.write(0, b"end\n", len(spool) + 100)
+    assert sink.tail(0)[-2:] == ["[megaray: 100 bytes of this rank's output were not received]", "end"]
+    sink.finish()
+    assert (tmp_path / "rank-0.log").read_text().count("step 2") == 1
 
 
 def test_megatron_log_line_is_parsed():

@@ -8,7 +8,8 @@ import os
 import pytest
 
 from launcher.cli import main
-from launcher.core.errors import RankFailedError, RankFailure, UsageError, describe_death
+from launcher.core.deaths import death_cause, describe_death, readable_tail
+from launcher.core.errors import RankFailedError, RankFailure, UsageError
 from launcher.core.profiles import available_profiles, load_profile
 from launcher.core.rankenv import CONTRACT_KEYS, contract_env, decide_env, parse_env_pairs
 from launcher.core.recipes import load_recipe
@@ -285,6 +286,43 @@ def test_describe_death_keeps_what_ray_knows():
     )
     assert describe_death("Task was killed due to the node running low on memory.").startswith(
         "killed by Ray's"
+    )
+
+
+SEGV_OUTPUT = [
+    "step 41",
+    "*** SIGSEGV received at time=1795441594 on cpu 1 ***",
+    "PC: @     0x7f7a48585ad8  (unknown)  (unknown)",
+    "[2026-11-23 13:46:34,076 E 22645 22645] logging.cc:474: *** SIGSEGV received at time=1795441594 ***",
+    "Fatal Python error: Segmentation fault",
+    "",
+    "Stack (most recent call first):",
+    '  File "/usr/lib/python3.12/ctypes/__init__.py", line 525 in string_at',
+    '  File "/home/u/train.py", line 8 in <module>',
+    '  File "<frozen runpy>", line 88 in _run_code',
+    '  File "/venv/lib/python3.12/site-packages/launcher/rank/actor.py", line 214 in run_target',
+    '  File "/venv/lib/python3.12/site-packages/ray/_private/worker.py", line 1069 in main_loop',
+    "",
+    "Extension modules: msgpack._cmsgpack, ray._raylet (total: 2)",
+]
+
+
+def test_a_dead_rank_s_signal_is_read_from_its_last_output_or_its_node():
+    assert death_cause(SEGV_OUTPUT, 0).startswith("its process was killed by SIGSEGV (segmentation fault")
+    assert death_cause(["Fatal Python error: Aborted"], None).startswith("its process was killed by SIGABRT")
+    assert death_cause(["*** SIGBUS received at time=1 ***"], None).startswith(
+        "its process was killed by SIGBUS "
+    )
+    assert "the kernel's OOM killer killed 1 process(es) on its node" in death_cause(["step 3"], 1)
+    assert "os._exit(), or a signal sent from outside the job" in death_cause(["step 3"], 0)
+    assert death_cause(["step 3"], None) is None  # no /proc/vmstat: nothing known
+    assert readable_tail(SEGV_OUTPUT) == (
+        "step 41",
+        "Fatal Python error: Segmentation fault",
+        "",
+        "Stack (most recent call first):",
+        '  File "/usr/lib/python3.12/ctypes/__init__.py", line 525 in string_at',
+        '  File "/home/u/train.py", line 8 in <module>',
     )
 
 

@@ -6,7 +6,6 @@ Bad input and missing resources exit 2 (the user must change a setting); a rank 
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 
@@ -61,6 +60,7 @@ class RankFailure:
     traceback: str = ""
     exit_code: int | None = None
     at: float = 0.0  # wall-clock time of the failure, to pick the root cause across ranks
+    last_output: tuple[str, ...] = ()  # a dead rank's last lines, read from its spool after it died
 
 
 # A dead process, then a stuck one (stopped, in a hang), before ranks that merely raised or waited.
@@ -88,6 +88,10 @@ class RankFailedError(MegarayError):
     def __reduce__(self):  # crosses process boundaries (Ray tasks, multiprocessing) intact
         return (RankFailedError, (self.failures, self.world_size, self.ending))
 
+    def amend(self, failures: list[RankFailure]) -> None:
+        """The same failures, told more fully (a dead rank's last output, read after the fact)."""
+        RankFailedError.__init__(self, failures, self.world_size, self.ending)
+
     def report(self) -> str:
         """The block printed at the end of a failed launch: root cause first, with its traceback."""
         r = self.root
@@ -103,6 +107,9 @@ class RankFailedError(MegarayError):
         ]
         if r.exit_code is not None:
             out.append(f"  exit code : {r.exit_code}")
+        if r.last_output:
+            out.append(f"  last output (all of it in rank-{r.rank}.log):")
+            out.extend("    " + ln for ln in r.last_output)
         if r.traceback:
             out.append("  traceback :")
             out.extend("    " + ln for ln in r.traceback.rstrip().splitlines())
@@ -114,23 +121,3 @@ class RankFailedError(MegarayError):
             out.append(self.ending)
         out.append(line)
         return "\n".join(out)
-
-
-def describe_death(ray_message: str) -> str:
-    """One line for a rank process that died, from Ray's ActorDiedError text.
-
-    Ray's text lists every possible cause of an unexpected exit (OOM killer, `ray stop`, a crash);
-    keep what it knows for sure: its memory monitor, a lost node, or the exit detail.
-    """
-    text = " ".join(ray_message.split())
-    low = text.lower()
-    if "low on memory" in low or "out_of_memory" in low:
-        what = "killed by Ray's memory monitor: the node ran low on memory"
-    elif "node has died" in low or "node died" in low or "node_died" in low or "node was lost" in low:
-        what = "its node was lost"
-    elif "intentionally killed" in low or "ray.kill" in low:
-        what = "its actor was killed (ray.kill or `ray stop`)"
-    else:
-        what = "its process exited unexpectedly (a signal such as SIGKILL, the kernel OOM killer, or a crash)"
-    detail = re.search(r"Worker exit detail: (.*?\.)( |$)", text)
-    return f"{what}; Ray: {detail.group(1)}" if detail else what

@@ -37,6 +37,8 @@ class RankReport:
     python_version: str
     inherited_env: dict[str, str]
     iface: str | None = None  # the node's interface that holds node_ip
+    log_dir: str = ""  # where the node keeps worker output (rank/spool.py)
+    oom_kills: int | None = None  # the node's OOM-killer count when the rank started
 
 
 @dataclass(frozen=True)

@@ -71,10 +71,77 @@ def _http2_answer(s: socket.socket, timeout_s: float) -> bytes | None:
 
 
 _AUTH_HINT = (
-    "uses token authentication and this process sent no valid token: set RAY_AUTH_MODE=token, and "
-    "RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) unless ~/.ray/auth_token holds the token that "
-    "`ray get-auth-token` prints on the head (Ray 2.60 does not turn token mode on for an explicit address)"
+    "uses token authentication and no token was found here: set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH, "
+    "or write ~/.ray/auth_token) to the cluster's token, which `ray get-auth-token` prints on the head"
 )
+
+
+def _refused(address: str, token: str | None = None, timeout_s: float = 5.0) -> bool | None:
+    """Whether the GCS at `address` refuses a call that carries `token` (or none), asked with one
+    gRPC call instead of Ray's 20 s of retries and log lines; None where it could not be asked."""
+    import grpc  # a Ray dependency
+
+    metadata = (("authorization", f"Bearer {token}"),) if token else None
+    try:
+        with grpc.insecure_channel(address) as channel:
+            channel.unary_unary("/ray.rpc.NodeInfoGcsService/GetClusterId")(
+                b"", timeout=timeout_s, metadata=metadata
+            )
+        return False
+    except grpc.RpcError as e:
+        return True if e.code() == grpc.StatusCode.UNAUTHENTICATED else None
+    except Exception:  # an address grpc cannot parse: ray.init will say why
+        return None
+
+
+def _token() -> tuple[str, str] | None:
+    """The token Ray would send from this process and where it comes from, in Ray's own order."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "RAY_AUTH_TOKEN", os.environ["RAY_AUTH_TOKEN"].strip()
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
+    try:
+        return path, open(path).read().strip()
+    except OSError:
+        return None
+
+
+@contextlib.contextmanager
+def token_mode(address: str) -> Iterator[None]:
+    """Attach to a token-authenticated cluster with the token this machine has, as `ray start` on
+    its head does, although Ray 2.60 turns token mode on for an explicit address only when
+    RAY_AUTH_MODE=token is set; fail in one line when there is no token to send."""
+    if _refused(address) is not True:
+        yield
+        return
+    found = _token()
+    if found is None:
+        raise ClusterError(f"the Ray cluster at {address} {_AUTH_HINT}")
+    source, token = found
+    mode = os.environ.get("RAY_AUTH_MODE", "token")
+    if mode != "token":
+        raise ClusterError(
+            f"the Ray cluster at {address} uses token authentication and RAY_AUTH_MODE={mode} here: unset "
+            f"it or set RAY_AUTH_MODE=token (the token in {source} is sent then)"
+        )
+    if _refused(address, token):
+        raise ClusterError(
+            f"the Ray cluster at {address} uses token authentication and rejected the token sent (from "
+            f"{source}): set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the cluster's token, which "
+            "`ray get-auth-token` prints on the head"
+        )
+    if os.environ.get("RAY_AUTH_MODE") == "token":
+        yield
+        return
+    from ray._raylet import Config
+
+    log.info("the cluster at %s uses token authentication: sending the token from %s", address, source)
+    os.environ["RAY_AUTH_MODE"] = "token"
+    Config.initialize("")  # Ray read the mode when imported: as `ray start` does, have it read again
+    try:
+        yield
+    finally:
+        os.environ.pop("RAY_AUTH_MODE", None)
+        Config.initialize("")
 
 
 def _caused_by_auth(e: BaseException | None) -> bool:
@@ -121,9 +188,11 @@ def connect(spec: LaunchSpec) -> Iterator[Cluster]:
     # its raylet and autoscaler chatter (and a warning for every rank stopped by SIGTERM) to the
     # console. A rank group has no sink and relies on it.
     streams = spec.target.kind is TargetKind.GROUP
+    stack = contextlib.ExitStack()
     try:
         if spec.address:
             _reachable(spec.address)
+            stack.enter_context(token_mode(spec.address))
             _init(address=spec.address, log_to_driver=streams)
             cluster = Cluster(address=spec.address, fixed_size=False)
         elif spec.dry_run or (spec.nodes > 1 and not spec.uses_gpus):
@@ -141,12 +210,25 @@ def connect(spec: LaunchSpec) -> Iterator[Cluster]:
             with node_environment():
                 _init(address="local", include_dashboard=False, num_cpus=cpus, log_to_driver=streams)
             cluster = Cluster(address=ray.get_runtime_context().gcs_address, fixed_size=True)
+        quiet_raylet(not streams)
         yield cluster
     finally:
+        quiet_raylet(False)
         if ray.is_initialized():
             ray.shutdown()
+        stack.close()
         if sim is not None:
             sim.shutdown()
+
+
+def quiet_raylet(on: bool) -> None:
+    """Keep Ray's "(raylet) A worker died or was killed..." paragraphs, one per rank, off the console
+    of a launch we connected for: the failure report names the rank, its host, its signal and its last
+    output, and those paragraphs would bury it (Ray prints them even with log_to_driver off). The
+    switch is the one Ray's own debugger uses to quiet worker output."""
+    import ray._private.worker as ray_worker
+
+    ray_worker._worker_logs_enabled = not on
 
 
 # What a node's `ray start` would have in its environment: the login basics and the Python it runs,

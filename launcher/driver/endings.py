@@ -1,18 +1,21 @@
-"""How ranks end, watched where they run: a returned rank's process finishing its exit, a hung rank's
-state and stack. Each uses one task per node, pinned there, that reads the processes by pid."""
+"""How ranks end, watched where they run: a returned rank's process finishing its exit, a dead rank's
+last output, a hung rank's state and stack. Each uses one task per node, pinned there, that reads
+the processes by pid or their output spools (rank/spool.py)."""
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import socket
 from typing import TYPE_CHECKING, Any
 
 import ray
 
-from ..core.errors import RankFailure
-from ..core.topology import format_rank_ranges
-from ..rank.probes import wait_exited
+from ..core.deaths import death_cause, describe_death, readable_tail
+from ..core.errors import RankFailedError, RankFailure
+from ..core.topology import RankReport, format_rank_ranges
+from ..rank.spool import exit_and_ship, ship, spool_name
 from .actors import first_line, on_node, wait_all
 from .supervise import StopSignal
 
@@ -22,18 +25,39 @@ if TYPE_CHECKING:
 log = logging.getLogger("megaray")
 
 
-def exit_gracefully(
-    handles: tuple[RankHandle, ...], lingering: dict[int, list[str]], grace_s: float, stop: StopSignal
-) -> None:
-    """Watch the processes of ranks told to exit end as Python processes do (non-daemon threads
-    joined, atexit handlers run: trackers flush, uploads finish), each by a task on its node; kill
-    and name those still running after `grace_s`. Ctrl-C stops the wait."""
+SALVAGE_WAIT_S = 10.0  # for a dead rank's spool to reach the sink before the report is made
+
+
+def spool_path(report: RankReport, job: str, rank: int) -> str | None:
+    return os.path.join(report.log_dir, spool_name(job, rank, report.pid)) if report.log_dir else None
+
+
+def _spools(handles: list[RankHandle] | tuple[RankHandle, ...]) -> list[tuple[int, str]]:
+    return [(h.slot.rank, h.spool) for h in handles if h.spool]
+
+
+def _by_node(handles: tuple[RankHandle, ...]) -> dict[str, list[RankHandle]]:
     by_node: dict[str, list[RankHandle]] = {}
     for h in handles:
         by_node.setdefault(h.report.node_id, []).append(h)
-    task = ray.remote(wait_exited)
+    return by_node
+
+
+def exit_gracefully(
+    handles: tuple[RankHandle, ...],
+    lingering: dict[int, list[str]],
+    grace_s: float,
+    stop: StopSignal,
+    sink: Any = None,
+) -> None:
+    """Watch the processes of ranks told to exit end as Python processes do (non-daemon threads
+    joined, atexit handlers run: trackers flush, uploads finish), each by a task on its node; kill
+    and name those still running after `grace_s`; then what they printed on the way out reaches
+    the sink. Ctrl-C stops the wait."""
+    by_node = _by_node(handles)
+    task = ray.remote(exit_and_ship)
     refs = {
-        node: task.options(**on_node(node)).remote([h.report.pid for h in hs], grace_s)
+        node: task.options(**on_node(node)).remote([h.report.pid for h in hs], grace_s, sink, _spools(hs))
         for node, hs in by_node.items()
     }
     wait_all(list(refs.values()), grace_s + 60, stop)
@@ -51,6 +75,72 @@ def exit_gracefully(
             "rank(s) %s still running %gs after the program returned (%s): killed; give them longer "
             "with --exit-grace", format_rank_ranges(killed), grace_s, ", ".join(still) or "exit handlers",
         )  # fmt: skip
+
+
+def died(h: RankHandle, handles: tuple[RankHandle, ...], ray_message: str, lost: dict[str, bool]) -> str:
+    """What became of a rank whose process is gone: its node lost (asked once per node: Ray says so
+    only after its health checks, seconds later), or the process itself."""
+    node_id = h.report.node_id
+    if node_id not in lost:
+        lost[node_id] = node_lost(node_id)
+    if not lost[node_id]:
+        return f"{describe_death(ray_message)} (pid {h.report.pid})"
+    ranks = format_rank_ranges(x.slot.rank for x in handles if x.report.node_id == node_id)
+    node = f"{h.slot.node_ip} (node id {node_id[:8]})"
+    return f"its node {node} was lost: its raylet no longer answers; it took rank(s) {ranks} with it"
+
+
+def salvage(handle: RankHandle, sink: Any) -> Any:
+    """Start shipping a dead rank's spool from its node: what its process wrote last."""
+    if sink is None or not handle.spool:
+        return None
+    return (
+        ray.remote(ship)
+        .options(**on_node(handle.report.node_id))
+        .remote(sink, [(handle.slot.rank, handle.spool)], True)
+    )
+
+
+def last_words(
+    handles: tuple[RankHandle, ...],
+    sink: Any,
+    salvaging: dict[int, Any],
+    lost: dict[str, bool],
+    error: RankFailedError | None,
+) -> None:
+    """After an attempt ended badly: ship every rank's spool still on a live node, so the rank logs
+    hold what each printed to its end; a dead rank's failure gets its last lines and, where they or
+    its node tell, the signal that killed it."""
+    rest = [h for h in handles if h.slot.rank not in salvaging and not lost.get(h.report.node_id)]
+    refs = [
+        ray.remote(ship).options(**on_node(node)).remote(sink, _spools(hs), True)
+        for node, hs in _by_node(tuple(rest)).items()
+    ]
+    ready, _ = ray.wait(
+        [r for r in salvaging.values() if r is not None] + refs,
+        num_returns=len(refs) + sum(r is not None for r in salvaging.values()),
+        timeout=SALVAGE_WAIT_S,
+    )
+    if error is None:
+        return
+    amended = []
+    for f in error.failures:
+        ref = salvaging.get(f.rank)
+        if f.kind != "died" or ref is None:
+            amended.append(f)
+            continue
+        try:
+            shipped = ray.get(ref, timeout=0) if ref in ready else {}
+            tail = tuple(ray.get(sink.tail.remote(f.rank), timeout=5))
+        except ray.exceptions.RayError as e:
+            log.warning("could not read what rank %d printed last: %s", f.rank, first_line(e))
+            amended.append(f)
+            continue
+        before, after = handles[f.rank].report.oom_kills, shipped.get("oom_kills")
+        cause = death_cause(tail, after - before if None not in (before, after) else None)
+        summary = f"{cause} (pid {handles[f.rank].report.pid})" if cause else f.summary
+        amended.append(dataclasses.replace(f, summary=summary, last_output=readable_tail(tail)))
+    error.amend(amended)
 
 
 def node_lost(node_id: str) -> bool:

@@ -16,7 +16,14 @@ from typing import Any
 
 import ray
 
-from ..core.errors import ClusterError, Interrupted, RankFailure, ResourceError, UsageError, describe_death
+from ..core.errors import (
+    ClusterError,
+    Interrupted,
+    RankFailedError,
+    RankFailure,
+    ResourceError,
+    UsageError,
+)
 from ..core.rankenv import EnvDecision, decide_envs, redact
 from ..core.spec import LaunchSpec
 from ..core.target import Target
@@ -31,7 +38,7 @@ from ..core.topology import (
 from . import placement, ports
 from .actors import first_line, kill_actors, start_rank_actor, wait_all
 from .cluster import check_versions
-from .endings import exit_gracefully, inspect_hang, node_lost
+from .endings import died, exit_gracefully, inspect_hang, last_words, salvage, spool_path
 from .spares import SparePool, SparesUnusable
 from .supervise import StopSignal
 
@@ -63,6 +70,7 @@ class RankHandle:
     report: RankReport
     env: EnvDecision
     replaces_pid: int | None = None
+    spool: str | None = None  # the file on its node its output goes through (rank/spool.py)
 
     @property
     def info(self) -> RankInfo:
@@ -103,6 +111,8 @@ class RankGang:
         self.port_reserved: tuple[str, int] | None = None
         self.lingering: dict[int, list[str]] = {}  # what each returned rank's process still runs
         self.lost: dict[str, bool] = {}  # node id -> gone, asked once per node as its ranks die
+        self.sink: Any = None
+        self.salvaging: dict[int, Any] = {}  # rank -> the task shipping a dead rank's spool
         self.t0 = time.monotonic()
         self.timings: dict[str, float] = {}
 
@@ -162,20 +172,23 @@ class RankGang:
         check_versions(self.reports)
         master = (self.slots[0].node_ip, self._choose_port(self.slots[0].node_ip))
         decisions = self._decide_envs(master)
-        envs = ray.get(
-            [
-                a.setup.remote(d.to_set, sink, r.gpu_ids if self.adopted else None, old)
-                for a, d, r, old in zip(self.actors, decisions, self.reports, self.replaced_pids, strict=True)
-            ]
-        )
-        self.mark("env_set")
-        self.master = master
+        self.sink = sink
         self.handles = tuple(
-            RankHandle(s, a, r, d, old)
+            RankHandle(s, a, r, d, old, spool_path(r, self.name, s.rank) if sink is not None else None)
             for s, a, r, d, old in zip(
                 self.slots, self.actors, self.reports, decisions, self.replaced_pids, strict=True
             )
         )
+        envs = ray.get(
+            [
+                h.actor.setup.remote(
+                    h.env.to_set, sink, h.report.gpu_ids if self.adopted else None, h.replaces_pid, h.spool
+                )
+                for h in self.handles
+            ]
+        )
+        self.mark("env_set")
+        self.master = master
         log_topology(self.ranks, self.master)
         log_env(self.handles, hidden=set(self.spec.env_overrides) | {k for k, _ in self.spec.forwarded})
         return envs
@@ -264,18 +277,9 @@ class RankGang:
         try:
             out = ray.get(ref)
         except ray.exceptions.RayActorError as e:
-            summary = f"{describe_death(str(e))} (pid {h.report.pid})"
-            node_id = h.report.node_id
-            if node_id not in self.lost:  # Ray says so only after its health checks, seconds later
-                self.lost[node_id] = node_lost(node_id)
-            if self.lost[node_id]:
-                ranks = format_rank_ranges(
-                    x.slot.rank for x in self.handles if x.report.node_id == h.report.node_id
-                )
-                node = f"{h.slot.node_ip} (node id {h.report.node_id[:8]})"
-                summary = (
-                    f"its node {node} was lost: its raylet no longer answers; it took rank(s) {ranks} with it"
-                )
+            summary = died(h, self.handles, str(e), self.lost)
+            if not self.lost[h.report.node_id]:
+                self.salvaging[rank] = salvage(h, self.sink)
             return False, RankFailure(**where, kind="died", summary=summary, at=time.time())
         except ray.exceptions.RayError as e:
             return False, RankFailure(
@@ -292,12 +296,18 @@ class RankGang:
     def inspect_hang(self, idle_s: float) -> list[RankFailure]:
         return inspect_hang(self.handles, idle_s)
 
+    def collect_output(self, error: RankFailedError | None) -> None:
+        """After a failed or stopped attempt: what the ranks printed last, shipped from their nodes'
+        spools; a dead rank's last lines and what they tell of its death go into `error`."""
+        if self.sink is not None and self.handles:
+            last_words(self.handles, self.sink, self.salvaging, self.lost, error)
+
     def exit_gracefully(self, grace_s: float) -> None:
         """After every rank returned: each process ends as a Python process does, watched on its
         node; one still running after `grace_s` is killed and named (endings.py)."""
         for a in self.actors:
             a.__ray_terminate__.remote()
-        exit_gracefully(self.handles, self.lingering, grace_s, self.stop)
+        exit_gracefully(self.handles, self.lingering, grace_s, self.stop, self.sink)
         self.mark("exited")
 
     def wait_stopped(self, refs: list, grace_s: float) -> None:

@@ -156,21 +156,19 @@ def run_attempts(
         except RankFailedError as e:
             if number >= max_restarts:
                 raise
-            k = number + 1
-            e.ending = "Every rank is being stopped; the whole group is relaunched (see below)."
-            print(e.report(), file=sys.stderr, flush=True)
-            restarts.append({"attempt": k, "cause": str(e), "at": time.time()})
+            failed = e
             spares = attempt.hand_over()
-            how = (
-                "on the warm spares"
-                if spares
-                else f"waiting up to {placement_timeout_s:g}s for the layout to fit"
-            )
-            log.warning("restart %d of %d after: %s; relaunching every rank (%s)", k, max_restarts, e, how)
         finally:
-            attempt.teardown()
+            attempt.teardown()  # a dead rank's last output reaches its failure here
             if number:
                 restarts[number - 1]["warm_spares"] = attempt.adopted
+        k = number + 1
+        failed.ending = "Every other rank was stopped; the whole group is relaunched (see below)."
+        print(failed.report(), file=sys.stderr, flush=True)
+        restarts.append({"attempt": k, "cause": str(failed), "at": time.time()})
+        how = f"waiting up to {placement_timeout_s:g}s for the layout to fit"
+        how = "on the warm spares" if spares else how
+        log.warning("restart %d of %d after: %s; relaunching every rank (%s)", k, max_restarts, failed, how)
 
 
 class Attempt:
@@ -198,6 +196,7 @@ class Attempt:
         self.relay: OutputRelay | None = None
         self.refs: list = []  # each rank's run, by rank
         self.succeeded = False
+        self.failure: RankFailedError | None = None
 
     @property
     def adopted(self) -> bool:
@@ -225,10 +224,14 @@ class Attempt:
         )  # fmt: skip
         self.refs = gang.run(spec.target, spec.cwd)
         gang.mark("started")
-        returns = supervise(
-            gang, self.refs, self.stop, relay=self.relay, hang_timeout_s=spec.hang_timeout_s,
-            tick=self._tend_spares,
-        )  # fmt: skip
+        try:
+            returns = supervise(
+                gang, self.refs, self.stop, relay=self.relay, hang_timeout_s=spec.hang_timeout_s,
+                tick=self._tend_spares,
+            )  # fmt: skip
+        except RankFailedError as e:
+            self.failure = e
+            raise
         gang.mark("finished")
         self.succeeded = True
         gang.exit_gracefully(spec.exit_grace_s)
@@ -263,6 +266,8 @@ class Attempt:
             self.relay.stop_ranks()
             self.gang.wait_stopped(self.refs, self.spec.kill_grace_s)
         self.gang.teardown(keep_groups=self.handed_over)
+        if not self.succeeded and self.relay is not None and self.relay.sink is not None:
+            self.gang.collect_output(self.failure)
         if self.spares_in is not None:  # given, but stopped before adopting them
             self.spares_in.discard(groups=True)
         if self.spares_out is not None and not self.handed_over:

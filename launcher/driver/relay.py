@@ -7,10 +7,12 @@ shows them, times the activity that hang detection watches, and makes the final 
 from __future__ import annotations
 
 import asyncio
+import codecs
 import contextlib
 import logging
 import os
 import time
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +24,9 @@ from .cluster import NAMESPACE
 from .progress_view import ProgressView
 
 log = logging.getLogger("megaray")
+
+
+LAST_LINES = 80  # of a dead rank's output, for the failure report (core/deaths.py trims them)
 
 
 def prefix(rank: int, node_rank: int) -> str:
@@ -43,6 +48,9 @@ class OutputSink:
         self.console_ranks = console
         self.files: dict[int, Any] = {}
         self.partial: dict[int, str] = {}
+        self.received: dict[int, int] = {}  # bytes of each rank's spool written here
+        self.decoders: dict[int, Any] = {}
+        self.last: dict[int, deque[str]] = {}  # each rank's last lines, for a failure report
         self.console: list[str] = []
         self.progress: list[dict[str, Any]] = []
         self.writes = 0  # any rank's activity, for the driver's hang detection
@@ -59,9 +67,21 @@ class OutputSink:
     async def stop_ranks(self) -> None:
         self._stop_event().set()
 
-    def write(self, rank: int, text: str) -> None:
+    def write(self, rank: int, data: bytes, start: int) -> None:
+        """Bytes `start`.. of a rank's spool, from the rank's thread or, after the process ended, from
+        a task on its node (rank/spool.py): what both sent is written once."""
         self.writes += 1
-        lines = (self.partial.pop(rank, "") + text).split("\n")
+        have, end = self.received.get(rank, 0), start + len(data)
+        if end <= have:
+            return
+        self.received[rank] = end
+        if start > have:  # a salvage sends the end of a long spool only
+            gap = f"[megaray: {start - have} bytes of this rank's output were not received]\n"
+            data = gap.encode() + data
+        else:
+            data = data[have - start :]
+        decoder = self.decoders.setdefault(rank, codecs.getincrementaldecoder("utf-8")(errors="replace"))
+        lines = (self.partial.pop(rank, "") + decoder.decode(data)).split("\n")
         if lines[-1]:
             self.partial[rank] = lines[-1]
         self._lines(rank, lines[:-1])
@@ -75,12 +95,21 @@ class OutputSink:
             fd = os.open(self.dir / f"rank-{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
             f = self.files[rank] = open(fd, "a", buffering=1)  # noqa: SIM115
         f.write("".join(tag + ln + "\n" for ln in lines))
+        self.last.setdefault(rank, deque(maxlen=LAST_LINES)).extend(lines)
         for ln in lines:
             record = parse_megatron_line(ln)
             if record is not None:
                 self.progress.append({**record, "rank": rank})
         if rank in self.console_ranks:
             self.console.extend(tag + ln for ln in lines)
+
+    def received_bytes(self, rank: int) -> int:
+        return self.received.get(rank, 0)
+
+    def tail(self, rank: int) -> list[str]:
+        """A rank's last lines, the unterminated one included."""
+        rest = [self.partial[rank]] if self.partial.get(rank) else []
+        return [*self.last.get(rank, ()), *rest][-LAST_LINES:]
 
     def report(self, rank: int, record: dict[str, Any]) -> None:
         """Progress sent by `launcher.progress.report()` on a rank."""

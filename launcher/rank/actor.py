@@ -33,6 +33,7 @@ from .probes import (
     port_is_free,
     wait_gone,
 )
+from .spool import log_dir, oom_kills
 
 _THIS_FILE = str(Path(__file__).resolve())
 
@@ -67,6 +68,8 @@ class RankActor:
             python_version=python_version(),
             inherited_env=inherited_env(),
             iface=interface_of(self.node_ip),
+            log_dir=log_dir(),
+            oom_kills=oom_kills(),
         )
 
     def free_ports(self, seed: str, count: int, exact: int | None = None) -> list[int]:
@@ -93,10 +96,11 @@ class RankActor:
         sink: Any = None,
         gpu_ids: tuple[str, ...] | None = None,
         replaces_pid: int | None = None,
+        spool: str | None = None,
     ) -> dict[str, str]:
         """Apply the rank's env before any framework is imported, and send this process's output to
-        `sink` (a launch's OutputSink, driver/relay.py) from here on. Returns the whole environment
-        the rank now has.
+        `sink` (a launch's OutputSink, driver/relay.py) from here on, through the file `spool` on this
+        node (rank/spool.py). Returns the whole environment the rank now has.
 
         A spare taking over a rank gets the rank's `gpu_ids` (it holds none of its own; the bundle
         does) and first waits for the old rank's process (`replaces_pid`, on this node) to be gone,
@@ -112,10 +116,10 @@ class RankActor:
         # handler would otherwise turn it into an exception the program may swallow.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         self.atexit_before = atexit._ncallbacks()
-        if sink is not None and self.capture is None:
+        if sink is not None and spool is not None and self.capture is None:
             from .capture import Capture
 
-            self.capture = Capture(sink, self.rank)
+            self.capture = Capture(sink, self.rank, spool)
         return dict(os.environ)
 
     def run(self, target: Target, cwd: str) -> dict[str, Any]:

@@ -2,26 +2,25 @@
 
 Ray's own log streaming prints every rank's lines with a long prefix and keeps them on the node
 that produced them. Here each rank's stdout and stderr (the file descriptors, so NCCL's and other C
-libraries' output too) go through a pipe to the sink actor on the driver's node; `report()` sends
-progress the same way. No shared filesystem is needed.
+libraries' output too) go to a spool file on the node (rank/spool.py), and a thread sends what
+arrives there to the sink actor on the driver's node; `report()` sends progress the same way. No
+shared filesystem is needed, and what a dying process wrote last stays in the spool for the driver.
 """
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import faulthandler
-import fcntl
 import os
-import select
 import signal
 import sys
-import termios
 import threading
 import time
 from typing import Any
 
 _current: Capture | None = None
+PUMP_IDLE_S = 0.02  # how often an idle rank's spool is looked at
+PUMP_GATHER_S = 0.03  # how long a burst of lines is gathered into one message
 
 
 def current_sink() -> Any:
@@ -30,21 +29,21 @@ def current_sink() -> Any:
 
 
 class Capture:
-    """In a rank: file descriptors 1 and 2 go to a pipe; a thread sends what arrives to the sink."""
+    """In a rank: file descriptors 1 and 2 go to the spool; a thread sends what arrives to the sink."""
 
-    def __init__(self, sink: Any, rank: int):
+    def __init__(self, sink: Any, rank: int, spool: str):
         global _current
         _current = self
-        self.sink, self.rank = sink, rank
+        self.sink, self.rank, self.spool = sink, rank, spool
         self.last_ref = None
-        self.busy = False
+        self.sent = 0  # bytes of the spool sent to the sink
         sys.stdout.flush()
         sys.stderr.flush()
-        read_fd, write_fd = os.pipe()
+        write_fd = os.open(spool, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o600)
         os.dup2(write_fd, 1)
         os.dup2(write_fd, 2)
         os.close(write_fd)
-        self.read_fd = read_fd
+        self.read_fd = os.open(spool, os.O_RDONLY)
         # Python's own streams must not hold lines back: a rank that dies loses what is buffered.
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(AttributeError, ValueError):
@@ -82,24 +81,16 @@ class Capture:
         self.control.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _pump(self) -> None:
-        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
         while True:
-            data = os.read(self.read_fd, 1 << 16)
+            data = os.read(self.read_fd, 1 << 20)
             if not data:
-                return
-            self.busy = True
+                time.sleep(PUMP_IDLE_S)
+                continue
             # A moment's wait gathers a burst of lines into one message to the sink.
-            deadline = time.monotonic() + 0.05
-            while len(data) < 1 << 20:
-                left = deadline - time.monotonic()
-                if left <= 0 or not select.select([self.read_fd], [], [], left)[0]:
-                    break
-                more = os.read(self.read_fd, 1 << 16)
-                if not more:
-                    break
-                data += more
-            self.last_ref = self.sink.write.remote(self.rank, decoder.decode(data))
-            self.busy = False
+            time.sleep(PUMP_GATHER_S)
+            data += os.read(self.read_fd, (1 << 20) - len(data)) if len(data) < 1 << 20 else b""
+            self.last_ref = self.sink.write.remote(self.rank, data, self.sent)
+            self.sent += len(data)
 
     def sync(self, timeout_s: float = 10.0) -> None:
         """Return once everything written so far has reached the sink (before the rank reports)."""
@@ -108,16 +99,10 @@ class Capture:
         sys.stdout.flush()
         sys.stderr.flush()
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and (self.busy or _unread(self.read_fd)):
+        while time.monotonic() < deadline and self.sent < os.fstat(1).st_size:
             time.sleep(0.01)
         if self.last_ref is not None:
             ray.wait([self.last_ref], timeout=max(0.0, deadline - time.monotonic()))
-
-
-def _unread(fd: int) -> int:
-    buf = bytearray(4)
-    fcntl.ioctl(fd, termios.FIONREAD, buf)
-    return int.from_bytes(buf, sys.byteorder)
 
 
 def report(iteration: int, total: int | None = None, loss: float | None = None, tokens: int | None = None):

@@ -1,0 +1,89 @@
+"""A rank's output spool: the file on its node that its stdout and stderr are written to.
+
+The rank's own thread sends what the file receives to the launch's sink (rank/capture.py), but a
+process that dies abruptly (`os._exit`, a segfault, SIGKILL) takes that thread with it, and with a
+pipe its last lines would die too. A file keeps every byte the process wrote: after a rank dies, or
+after the processes of a finished launch have ended (atexit output), a task on the node ships what
+the sink has not yet received (`ship`). The spool lives beside Ray's own worker logs, where users
+look for a worker's output, under a name Ray's log monitor does not tail.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from typing import Any
+
+MAX_SALVAGE_BYTES = 4 << 20  # what a dead rank's spool can add at most: its end, not a lost gigabyte
+
+
+def log_dir() -> str:
+    """Where this node keeps worker output: the folder of this worker's stderr file (Ray's session
+    `logs/`), or a private folder under the temp dir when stderr is not a file."""
+    with contextlib.suppress(OSError):
+        path = os.readlink("/proc/self/fd/2")
+        if path.startswith("/") and os.path.isdir(os.path.dirname(path)):
+            return os.path.dirname(path)
+    here = os.path.join(tempfile.gettempdir(), f"megaray-{os.getuid()}")
+    os.makedirs(here, mode=0o700, exist_ok=True)
+    return here
+
+
+def spool_name(job: str, rank: int, pid: int) -> str:
+    return f"megaray-{job}-rank{rank}-{pid}.out"
+
+
+def oom_kills() -> int | None:
+    """How many processes the kernel's OOM killer has killed on this machine since boot."""
+    with contextlib.suppress(OSError, ValueError):
+        for line in open("/proc/vmstat"):  # noqa: SIM115
+            if line.startswith("oom_kill "):
+                return int(line.split()[1])
+    return None
+
+
+def read_from(path: str, start: int) -> tuple[int, bytes]:
+    """The bytes of `path` from `start` (at most the last MAX_SALVAGE_BYTES), and where they begin."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            begin = max(start, size - MAX_SALVAGE_BYTES)
+            f.seek(begin)
+            return begin, f.read()
+    except OSError:
+        return start, b""
+
+
+def ship(sink: Any, spools: list[tuple[int, str]], delete: bool) -> dict[str, Any]:
+    """On a node: send the sink what each rank's spool holds beyond what the sink received; delete
+    the spools when their processes have ended. Returns the bytes shipped by rank and the node's OOM
+    kill count."""
+    import ray
+
+    received = ray.get([sink.received_bytes.remote(rank) for rank, _ in spools])
+    writes, shipped = [], {}
+    for (rank, path), start in zip(spools, received, strict=True):
+        begin, data = read_from(path, start)
+        shipped[rank] = len(data)
+        if data:
+            writes.append(sink.write.remote(rank, data, begin))
+        if delete:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+    ray.get(writes)
+    return {"shipped": shipped, "oom_kills": oom_kills()}
+
+
+def exit_and_ship(
+    pids: list[int], grace_s: float, sink: Any, spools: list[tuple[int, str]]
+) -> list[float | None]:
+    """On a node, after the program returned: watch the processes end (probes.wait_exited), then
+    ship what they printed on the way out (atexit handlers, non-daemon threads)."""
+    from .probes import wait_exited
+
+    took = wait_exited(pids, grace_s)
+    if sink is not None and spools:
+        with contextlib.suppress(Exception):  # the sink is gone: the driver is going too
+            ship(sink, spools, delete=True)
+    return took
