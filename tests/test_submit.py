@@ -11,10 +11,7 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
-import uuid
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -22,6 +19,7 @@ import pytest
 from launcher.cli import main
 
 from .conftest import REPO, free_port
+from .raycluster import start_cluster
 
 pytestmark = pytest.mark.slow
 
@@ -34,92 +32,12 @@ FAILING = (
 )
 
 
-@dataclass
-class Head:
-    url: str
-    token_path: Path
-    env: dict[str, str]
-
-    def query(self, code: str) -> object:
-        """Run `code` (which sets `result`) in a fresh process connected to the head; return result."""
-        prog = (
-            "import json\nfrom ray.job_submission import JobSubmissionClient\n"
-            "from ray.util.state import list_actors, list_placement_groups\n"
-            f"URL = {self.url!r}\nclient = JobSubmissionClient(URL)\n{code}\nprint(json.dumps(result))\n"
-        )
-        env = {**self.env, "RAY_AUTH_MODE": "token"}
-        done = subprocess.run(
-            [sys.executable, "-c", prog], env=env, capture_output=True, text=True, timeout=60
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
-
-    def status(self, job: str) -> str:
-        return self.query(f"result = client.get_job_status({job!r}).value")
-
-    def alive(self, job: str) -> tuple[list, list]:
-        """Actors not dead and placement groups not removed that belong to `job`, after a short grace."""
-        code = f"""
-import time
-deadline = time.time() + 10
-while True:
-    actors = [a.name for a in list_actors(address=URL, limit=10000)
-              if a.state != "DEAD" and (a.name or "").startswith({job!r} + "-")]
-    groups = [g.name for g in list_placement_groups(address=URL, limit=10000)
-              if g.state != "REMOVED" and (g.name or "").startswith({job!r} + "-")]
-    if not (actors or groups) or time.time() > deadline:
-        break
-    time.sleep(0.3)
-result = [actors, groups]
-"""
-        actors, groups = self.query(code)
-        return actors, groups
-
-    def jobs(self) -> list[str]:
-        return self.query("result = [j.submission_id for j in client.list_jobs()]")
-
-
 @pytest.fixture(scope="module")
 def head():
     """A real head node on loopback ports of its own, with the dashboard, stopped at the end."""
-    tmp = Path(tempfile.mkdtemp(prefix="mr-", dir="/tmp"))  # short: Ray's socket paths must fit
-    token = tmp / "token"
-    token.write_text(uuid.uuid4().hex + uuid.uuid4().hex)
-    bindir = os.path.dirname(sys.executable)
-    env = {
-        **os.environ,
-        "PATH": bindir + os.pathsep + os.environ.get("PATH", ""),  # the job's `python` is this one
-        "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN_PATH": str(token),
-        "RAY_DEDUP_LOGS": "0",
-    }
-    env.pop("RAY_ADDRESS", None)
-    dash = free_port()
-    cmd = (
-        f"{bindir}/ray start --head --block --port {free_port()} --node-ip-address 127.0.0.1 "
-        f"--dashboard-host 127.0.0.1 --dashboard-port {dash} --include-dashboard true --num-cpus 4 "
-        f"--num-gpus 2 --temp-dir {tmp} --disable-usage-stats"
-    ).split()
-    log = open(tmp / "head.log", "w")  # noqa: SIM115
-    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    h = Head(url=f"http://127.0.0.1:{dash}", token_path=token, env=env)
-    deadline = time.monotonic() + 120
-    while True:
-        try:
-            h.jobs()
-            break
-        except AssertionError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                proc.kill()
-                pytest.fail("ray start --head did not come up:\n" + (tmp / "head.log").read_text()[-3000:])
-            time.sleep(1)
-    yield h
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-    log.close()
+    cluster = start_cluster(num_cpus=4, num_gpus=2)
+    yield cluster
+    cluster.stop()
 
 
 @pytest.fixture

@@ -1,0 +1,145 @@
+"""Real Ray clusters for the tests: a head and workers, each a `ray start --block` process of its
+own on this machine, with token authentication on (a token file of the cluster's own) as Ray 2.60
+clusters have it by default. Each is stopped by its pid, never with `ray stop`."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from .conftest import free_port
+
+BIN = os.path.dirname(sys.executable)
+
+
+@dataclass
+class RayStartCluster:
+    gcs: str  # HOST:PORT, for --address
+    url: str  # the dashboard, for `megaray submit` and the state API
+    token_path: Path
+    env: dict[str, str]  # what the nodes run with (RAY_AUTH_MODE=token and the token path)
+    tmp: Path
+    procs: list[subprocess.Popen] = field(default_factory=list)
+
+    def query(self, code: str) -> object:
+        """Run `code` (which sets `result`) in a fresh process connected to the head; return result."""
+        prog = (
+            "import json\nfrom ray.job_submission import JobSubmissionClient\n"
+            "from ray.util.state import list_actors, list_placement_groups\n"
+            f"URL = {self.url!r}\nclient = JobSubmissionClient(URL)\n{code}\nprint(json.dumps(result))\n"
+        )
+        done = subprocess.run(
+            [sys.executable, "-c", prog], env=self.env, capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout.strip().splitlines()[-1])
+
+    def status(self, job: str) -> str:
+        return self.query(f"result = client.get_job_status({job!r}).value")
+
+    def jobs(self) -> list[str]:
+        return self.query("result = [j.submission_id for j in client.list_jobs()]")
+
+    def alive(self, job: str) -> tuple[list, list]:
+        """Actors not dead and placement groups not removed that belong to `job`, after a short grace."""
+        code = f"""
+import time
+deadline = time.time() + 10
+while True:
+    actors = [a.name for a in list_actors(address=URL, limit=10000)
+              if a.state != "DEAD" and (a.name or "").startswith({job!r} + "-")]
+    groups = [g.name for g in list_placement_groups(address=URL, limit=10000)
+              if g.state != "REMOVED" and (g.name or "").startswith({job!r} + "-")]
+    if not (actors or groups) or time.time() > deadline:
+        break
+    time.sleep(0.3)
+result = [actors, groups]
+"""
+        actors, groups = self.query(code)
+        return actors, groups
+
+    def nodes_alive(self) -> int:
+        return self.query(
+            "import ray\nray.init(address=" + repr(self.gcs) + ", log_to_driver=False)\n"
+            "result = sum(n['Alive'] for n in ray.nodes())"
+        )
+
+    def _start(self, args: str, name: str) -> subprocess.Popen:
+        log = open(self.tmp / f"{name}.log", "w")  # noqa: SIM115
+        cmd = [f"{BIN}/ray", "start", "--block", "--disable-usage-stats", *args.split()]
+        proc = subprocess.Popen(
+            cmd, env=self.env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        self.procs.append(proc)
+        return proc
+
+    def add_worker(self, num_cpus: int, num_gpus: int = 0) -> subprocess.Popen:
+        """One more node; returns once the head counts it."""
+        before = self.nodes_alive()
+        proc = self._start(
+            f"--address {self.gcs} --num-cpus {num_cpus} --num-gpus {num_gpus}", f"w{len(self.procs)}"
+        )
+        self._wait(lambda: self.nodes_alive() > before, proc, f"w{len(self.procs) - 1}")
+        return proc
+
+    def _wait(self, ready, proc: subprocess.Popen, name: str) -> None:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if ready():
+                    return
+            except AssertionError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(
+                    f"ray start ({name}) did not come up:\n" + (self.tmp / f"{name}.log").read_text()[-3000:]
+                )
+            time.sleep(1)
+
+    @staticmethod
+    def stop_node(proc: subprocess.Popen) -> None:
+        """`ray start --block` stops its raylet and workers when it gets SIGTERM."""
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):  # workers before the head
+            self.stop_node(proc)
+
+
+def start_cluster(num_cpus: int, num_gpus: int = 0) -> RayStartCluster:
+    """A head on loopback ports of its own, with the dashboard; add workers with `add_worker`."""
+    tmp = Path(tempfile.mkdtemp(prefix="mr-", dir="/tmp"))  # short: Ray's socket paths must fit
+    token = tmp / "token"
+    token.write_text(uuid.uuid4().hex + uuid.uuid4().hex)
+    env = {
+        **os.environ,
+        "PATH": BIN + os.pathsep + os.environ.get("PATH", ""),  # a job's `python` is this one
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(token),
+        "RAY_DEDUP_LOGS": "0",
+    }
+    env.pop("RAY_ADDRESS", None)
+    port, dash = free_port(), free_port()
+    c = RayStartCluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", token, env, tmp)
+    head = c._start(
+        f"--head --port {port} --node-ip-address 127.0.0.1 --dashboard-host 127.0.0.1 "
+        f"--dashboard-port {dash} --include-dashboard true --num-cpus {num_cpus} --num-gpus {num_gpus} "
+        f"--temp-dir {tmp}",
+        "head",
+    )
+    c._wait(lambda: c.jobs() is not None, head, "head")
+    return c

@@ -1,0 +1,240 @@
+"""Tier 3 on a real cluster: a head and a worker, each its own `ray start --block` with token
+authentication on, ranks doing real gloo collectives, drivers run as users run them (`python
+main.py --address ...`, a fresh process, with no RAY_AUTH_MODE: megaray finds the token itself).
+
+What a user meets at the edges: exit handlers, a dying rank's last output, nodes that are really
+distinct, a wrong address, a job name in use, secrets, a node that goes away (last: it stops the
+worker).
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO
+from .raycluster import RayStartCluster, start_cluster
+
+pytestmark = pytest.mark.slow
+
+GLOO = """
+import os, sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+total = torch.ones(1)
+dist.all_reduce(total)
+rank = int(os.environ["RANK"])
+print(f"rank {rank} of {dist.get_world_size()} on node {os.environ['NODE_RANK']}: sum {total.item():g}")
+"""
+
+EXIT_HANDLERS = (
+    GLOO
+    + """
+import atexit, threading
+out = sys.argv[1]
+def later():
+    time.sleep(1)
+    open(os.path.join(out, f"thread-{rank}"), "w").write("done")
+threading.Thread(target=later).start()
+atexit.register(lambda: open(os.path.join(out, f"atexit-{rank}"), "w").write("done"))
+atexit.register(print, f"rank {rank} says goodbye from atexit")
+dist.destroy_process_group()
+"""
+)
+
+SEGFAULT = (
+    GLOO
+    + """
+import ctypes
+sys.stdout.flush()
+if rank == 3:
+    print("rank 3 is about to crash", flush=True)
+    ctypes.string_at(0)
+time.sleep(600)
+"""
+)
+
+SLEEPER = (
+    GLOO
+    + """
+sys.stdout.flush()
+time.sleep(float(sys.argv[1]))
+"""
+)
+
+SECRETS = (
+    GLOO
+    + """
+import json
+out = sys.argv[1]
+seen = {k: os.environ.get(k) for k in ("DATABASE_URL", "HF_TOKEN")}
+json.dump(seen, open(os.path.join(out, f"seen-{rank}"), "w"))
+"""
+)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    c = start_cluster(num_cpus=2)
+    try:
+        c.add_worker(num_cpus=2)
+        yield c
+    finally:
+        c.stop()
+
+
+def driver(cluster: RayStartCluster, args: list[str], **kw) -> subprocess.Popen:
+    env = {k: v for k, v in cluster.env.items() if k != "RAY_AUTH_MODE"}
+    cmd = [sys.executable, "main.py", "--address", cluster.gcs, "--device", "cpu", *args]
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw
+    )
+
+
+def run(cluster: RayStartCluster, args: list[str], timeout: float = 180) -> tuple[int, str]:
+    proc = driver(cluster, args)
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+def script(tmp_path: Path, name: str, text: str) -> str:
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+LAYOUT = ["--nodes", "2", "--gpus-per-node", "2"]
+
+
+def test_exit_handlers_run_and_their_output_is_kept_on_every_node(cluster, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    runs = tmp_path / "runs"
+    code, text = run(
+        cluster,
+        [
+            "--job-name",
+            "rs-exit",
+            *LAYOUT,
+            "--runs-dir",
+            str(runs),
+            script(tmp_path, "x.py", EXIT_HANDLERS),
+            str(out),
+        ],
+    )
+    assert code == 0, text[-3000:]
+    assert "uses token authentication: sending the token from" in text
+    assert "[r0 n0] rank 0 of 4 on node 0: sum 4" in text
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        f"{k}-{r}" for k in ("atexit", "thread") for r in range(4)
+    )
+    assert "[r3 n1] rank 3 says goodbye from atexit" in (runs / "rs-exit" / "rank-3.log").read_text()
+    assert cluster.alive("rs-exit") == ([], [])
+
+
+def test_a_rank_that_crashes_on_the_worker_keeps_its_last_output_and_names_the_signal(cluster, tmp_path):
+    runs = tmp_path / "runs"
+    t0 = time.monotonic()
+    code, text = run(
+        cluster,
+        ["--job-name", "rs-segv", *LAYOUT, "--runs-dir", str(runs), script(tmp_path, "s.py", SEGFAULT)],
+    )
+    took = time.monotonic() - t0
+    assert code == 1, text[-3000:]
+    report = text[text.index("Root cause") :]
+    assert "rank      : 3 of 4" in report and "killed by SIGSEGV" in report
+    assert "    rank 3 is about to crash" in report and 's.py", line' in report
+    assert "(raylet)" not in text and "A worker died" not in text  # Ray's paragraphs, one per rank
+    assert "[r3 n1] rank 3 is about to crash" in (runs / "rs-segv" / "rank-3.log").read_text()
+    assert cluster.alive("rs-segv") == ([], [])
+    assert took < 90
+
+
+def test_more_nodes_than_the_cluster_has_is_refused_in_one_line(cluster, tmp_path):
+    t0 = time.monotonic()
+    args = ["--job-name", "rs-three", "--nodes", "3", "--gpus-per-node", "1", "--placement-timeout", "5"]
+    code, text = run(cluster, [*args, script(tmp_path, "g.py", GLOO)])
+    assert code == 2, text[-3000:]
+    assert re.search(r"error: .*3 node", text), text[-2000:]
+    assert time.monotonic() - t0 < 60
+    assert cluster.alive("rs-three") == ([], [])
+
+
+def test_an_address_that_is_not_the_gcs_is_refused_at_once(cluster, tmp_path):
+    env = {k: v for k, v in cluster.env.items() if k != "RAY_AUTH_MODE"}
+    dashboard = cluster.url.removeprefix("http://")
+    t0 = time.monotonic()
+    cmd = [
+        sys.executable,
+        "main.py",
+        "--address",
+        dashboard,
+        "--device",
+        "cpu",
+        script(tmp_path, "g.py", GLOO),
+    ]
+    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "answers, but as an HTTP server" in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and time.monotonic() - t0 < 20
+
+
+def test_a_job_name_in_use_is_refused_and_the_running_job_is_untouched(cluster, tmp_path):
+    runs = tmp_path / "runs"
+    sleeper = script(tmp_path, "z.py", SLEEPER)
+    first = driver(cluster, ["--job-name", "rs-dup", *LAYOUT, "--runs-dir", str(runs), sleeper, "8"])
+    log = runs / "rs-dup" / "rank-0.log"
+    deadline = time.monotonic() + 120
+    while not (log.exists() and "sum 4" in log.read_text()):
+        assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0][-3000:]
+        time.sleep(0.3)
+    code, text = run(cluster, ["--job-name", "rs-dup", *LAYOUT, "--runs-dir", str(runs), sleeper, "0"])
+    assert code == 2 and "rs-dup" in text and "Traceback" not in text, text[-3000:]
+    out, _ = first.communicate(timeout=120)
+    assert first.returncode == 0, out[-3000:]
+    assert '"status": "succeeded"' in (runs / "rs-dup" / "summary.json").read_text()
+    assert cluster.alive("rs-dup") == ([], [])
+
+
+def test_secrets_reach_the_ranks_and_no_file_or_console(cluster, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    runs = tmp_path / "runs"
+    db = "postgres://app:hunter2-db@db.internal:5432/x"
+    secrets = ["--env", f"DATABASE_URL={db}", "--env", "HF_TOKEN=hf_hunter2tok"]
+    code, text = run(cluster, ["--job-name", "rs-secret", *secrets, *LAYOUT, "--runs-dir", str(runs),
+                               script(tmp_path, "p.py", SECRETS), str(out)])  # fmt: skip
+    assert code == 0, text[-3000:]
+    assert (out / "seen-3").read_text() == f'{{"DATABASE_URL": "{db}", "HF_TOKEN": "hf_hunter2tok"}}'
+    assert "hunter2" not in text
+    run_dir = runs / "rs-secret"
+    assert run_dir.stat().st_mode & 0o777 == 0o700
+    for f in run_dir.iterdir():
+        assert f.stat().st_mode & 0o777 == 0o600, f
+        assert "hunter2" not in f.read_text(), f
+
+
+def test_a_node_that_goes_away_is_named(cluster, tmp_path):
+    """Last: it stops the worker node."""
+    runs = tmp_path / "runs"
+    proc = driver(
+        cluster,
+        ["--job-name", "rs-lost", *LAYOUT, "--runs-dir", str(runs), script(tmp_path, "z.py", SLEEPER), "600"],
+    )
+    log = runs / "rs-lost" / "rank-0.log"
+    deadline = time.monotonic() + 120
+    while not (log.exists() and "sum 4" in log.read_text()):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[0][-3000:]
+        time.sleep(0.3)
+    t0 = time.monotonic()
+    RayStartCluster.stop_node(cluster.procs[1])
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 1, out[-3000:]
+    lost = re.search(r"its node [\d.]+ \(node id \w+\) was lost: .* took rank\(s\) (0-1|2-3) with it", out)
+    assert lost, out[-3000:]
+    assert time.monotonic() - t0 < 60
+    assert cluster.alive("rs-lost") == ([], [])
