@@ -23,7 +23,7 @@ from launcher.core.topology import (
     order_nodes,
     visible_devices,
 )
-from launcher.driver.placement import nodes_that_fit
+from launcher.driver.placement import nodes_that_fit, without_autoscaler
 from launcher.driver.spares import warm_steps
 from launcher.rank.probes import wait_gone
 from launcher.rank.warmup import warm
@@ -324,6 +324,14 @@ def test_a_dead_rank_s_signal_is_read_from_its_last_output_or_its_node():
         '  File "/usr/lib/python3.12/ctypes/__init__.py", line 525 in string_at',
         '  File "/home/u/train.py", line 8 in <module>',
     )
+
+
+def test_a_cluster_without_an_autoscaler_is_told_by_its_node_types():
+    readonly = {"autoscaler_report": {"node_type_mapping": {"ab12": "node_ab12", "cd34": "node_cd34"}}}
+    scaling = {"autoscaler_report": {"node_type_mapping": {"ab12": "head", "cd34": "gpu_worker"}}}
+    assert without_autoscaler(readonly) is True
+    assert without_autoscaler(scaling) is False
+    assert without_autoscaler(None) is None and without_autoscaler({"autoscaler_report": {}}) is None
 
 
 def test_nodes_that_fit_counts_whole_groups():

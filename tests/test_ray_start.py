@@ -165,6 +165,15 @@ def test_more_nodes_than_the_cluster_has_is_refused_in_one_line(cluster, tmp_pat
     assert cluster.alive("rs-three") == ([], [])
 
 
+def test_a_layout_no_node_can_hold_is_refused_at_once_where_no_autoscaler_can_add_one(cluster):
+    t0 = time.monotonic()  # a GPU dry run on a cluster of CPU nodes, started by hand
+    code, text = run(cluster, ["--job-name", "rs-nogpu", "--dry-run", *LAYOUT, "--device", "gpu"])
+    assert code == 2 and "this cluster has no autoscaler, so none will come by itself" in text, text[-2000:]
+    assert "--device cpu runs the ranks on CPUs" in text and "(raylet)" not in text
+    assert time.monotonic() - t0 < 30  # not the 120 s placement timeout
+    assert cluster.alive("rs-nogpu") == ([], [])
+
+
 def test_an_address_that_is_not_the_gcs_is_refused_at_once(cluster, tmp_path):
     env = {k: v for k, v in cluster.env.items() if k != "RAY_AUTH_MODE"}
     dashboard = cluster.url.removeprefix("http://")
@@ -181,6 +190,33 @@ def test_an_address_that_is_not_the_gcs_is_refused_at_once(cluster, tmp_path):
     done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "answers, but as an HTTP server" in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr and time.monotonic() - t0 < 20
+
+
+@pytest.mark.parametrize(
+    "env, message",
+    [
+        ({"RAY_AUTH_TOKEN": "not-the-token"}, "rejected the token sent (from RAY_AUTH_TOKEN)"),
+        ({"RAY_AUTH_TOKEN_PATH": "/nonexistent/token"}, "no token was found here"),
+        ({"RAY_AUTH_MODE": "disabled"}, "RAY_AUTH_MODE=disabled here: unset it"),
+    ],
+)
+def test_token_problems_are_one_line_at_once(cluster, tmp_path, env, message):
+    base = {k: v for k, v in cluster.env.items() if not k.startswith("RAY_AUTH_")}
+    base.update({"HOME": str(tmp_path), "RAY_AUTH_TOKEN_PATH": str(cluster.token_path), **env})
+    cmd = [
+        sys.executable,
+        "main.py",
+        "--address",
+        cluster.gcs,
+        "--device",
+        "cpu",
+        script(tmp_path, "g.py", GLOO),
+    ]
+    t0 = time.monotonic()
+    done = subprocess.run(cmd, cwd=REPO, env=base, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
+    assert "gcs_client" not in done.stderr and "Traceback" not in done.stderr
+    assert time.monotonic() - t0 < 20  # Ray's own retries take 20 s and print a line a second
 
 
 def test_a_job_name_in_use_is_refused_and_the_running_job_is_untouched(cluster, tmp_path):

@@ -109,6 +109,34 @@ def create_group(spec: LaunchSpec, name: str, exclude_nodes: list[str] = ()) -> 
     )
 
 
+def without_autoscaler(status: Mapping | None) -> bool | None:
+    """Whether Ray's autoscaler status (the head's monitor writes it) says no node can come by itself:
+    with no autoscaling config the monitor runs read-only and gives every node a type of its own,
+    `node_<node id>`. None when there is no status to tell (autoscaler v2, an old head)."""
+    mapping = ((status or {}).get("autoscaler_report") or {}).get("node_type_mapping")
+    if not mapping:
+        return None
+    return all(kind == f"node_{node_id}" for node_id, kind in mapping.items())
+
+
+def cluster_cannot_grow() -> bool:
+    import json
+
+    from ray.experimental.internal_kv import _internal_kv_get
+
+    try:
+        raw = _internal_kv_get("__autoscaling_status")
+        return bool(without_autoscaler(json.loads(raw) if raw else None))
+    except Exception:  # no status, or one this Ray writes differently: assume it can grow
+        return False
+
+
+NO_AUTOSCALER = (
+    "or add a node that can hold a group (`ray start --address HEAD:PORT` on another machine): this "
+    "cluster has no autoscaler, so none will come by itself"
+)
+
+
 def place_groups(spec: LaunchSpec, name: str, stop: StopSignal, fixed_size: bool) -> list[PlacementGroup]:
     """One group per node, each on a Ray node of its own, waited for up to --placement-timeout.
 
@@ -119,6 +147,8 @@ def place_groups(spec: LaunchSpec, name: str, stop: StopSignal, fixed_size: bool
     problem = feasibility_problem(spec)
     if problem and fixed_size:
         raise resource_error(spec, 0, problem, describe_nodes(), can_grow=False)
+    if problem and cluster_cannot_grow():
+        raise resource_error(spec, 0, problem, describe_nodes(), can_grow=False, fix=NO_AUTOSCALER)
     if problem:
         log.warning("%s; waiting up to %gs for more nodes", problem, spec.placement_timeout_s)
     before = describe_nodes()  # what others left free, for the message if we time out
@@ -186,16 +216,23 @@ def resolve_nodes(groups: list[PlacementGroup]) -> list[NodeSlot]:
     return slots
 
 
-def resource_error(spec: LaunchSpec, placed: int, why: str, nodes: str, can_grow: bool) -> ResourceError:
+def resource_error(
+    spec: LaunchSpec, placed: int, why: str, nodes: str, can_grow: bool, fix: str | None = None
+) -> ResourceError:
+    cpu = "; without GPUs, --device cpu runs the ranks on CPUs (gloo)" if spec.uses_gpus else ""
     fix = (
-        "free or add nodes, or wait longer with --placement-timeout"
-        if can_grow
-        else "or attach to a larger cluster with --address (this local Ray was started for this run and "
-        "cannot grow)"
-        + (
-            "; without one, --device cpu runs the ranks on CPUs (gloo), nodes simulated here"
-            if spec.uses_gpus
-            else ""
+        (fix + cpu)
+        if fix
+        else (
+            "free or add nodes, or wait longer with --placement-timeout"
+            if can_grow
+            else "or attach to a larger cluster with --address (this local Ray was started for this run and "
+            "cannot grow)"
+            + (
+                "; without one, --device cpu runs the ranks on CPUs (gloo), nodes simulated here"
+                if spec.uses_gpus
+                else ""
+            )
         )
     )
     return ResourceError(
