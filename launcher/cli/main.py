@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
             from .doctor import main as doctor_main
 
             return doctor_main(argv[1:])
+        if argv and argv[0] == "recipes":
+            from .recipes import main as recipes_main
+
+            return recipes_main(argv[1:])
         spec = spec_from_args(argv)
         if spec.check_only:
             from ..megatron.preflight import preflight

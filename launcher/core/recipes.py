@@ -1,4 +1,6 @@
-"""Recipes: data files under `recipes/` that name a Megatron-Bridge recipe function and its overrides.
+"""Recipes: data files under `recipes/` that name a Megatron-Bridge recipe function and its overrides,
+or any of bridge's own recipe functions by name (`llama3_8b_pretrain_2gpu_h100_bf16_config`) or as
+`module:function` (core/catalog.py finds them).
 
 Precedence, stated once: overrides on the command line > the recipe file's `overrides` > what the
 Megatron-Bridge recipe function returns (bridge's defaults). A recipe file:
@@ -12,12 +14,14 @@ Megatron-Bridge recipe function returns (bridge's defaults). A recipe file:
 
 from __future__ import annotations
 
+import difflib
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
 
+from . import catalog
 from .datafiles import available, data_dirs, load_yaml
 from .errors import UsageError
 from .refs import FUNCTION_REF
@@ -32,6 +36,7 @@ class Recipe:
     overrides: tuple[str, ...] = ()  # "key=value", the recipe file's own
     hf_model: str | None = None
     description: str = ""
+    kind: str = ""  # pretrain, sft or peft ("" where neither the file nor the name says)
 
 
 def recipe_dirs() -> list[Path]:
@@ -54,6 +59,12 @@ def yaml_value(value: object) -> str:
 
 
 def load_recipe(name_or_path: str) -> Recipe:
+    """A recipe file (a name under recipes/ or a YAML path), else a bridge recipe function."""
+    is_file = Path(name_or_path).suffix in (".yaml", ".yml") or any(
+        (d / f"{name_or_path}.yaml").is_file() for d in recipe_dirs()
+    )
+    if not is_file:
+        return bridge_recipe(name_or_path)
     path, data = load_yaml("recipes", name_or_path, "recipe")
     function = data.get("function") if isinstance(data, dict) else None
     if not isinstance(function, str) or not FUNCTION_REF.match(function):
@@ -69,6 +80,33 @@ def load_recipe(name_or_path: str) -> Recipe:
         overrides=tuple(f"{k}={yaml_value(v)}" for k, v in overrides.items()),
         hf_model=data.get("hf_model"),
         description=str(data.get("description", "")),
+        kind=str(data.get("kind", "")),
+    )
+
+
+def bridge_recipe(name: str) -> Recipe:
+    """One of Megatron-Bridge's recipe functions, by its name or as `module:function`."""
+    if FUNCTION_REF.match(name):
+        found = catalog.find(name.rsplit(":", 1)[1])
+        return Recipe(
+            name=name.rsplit(":", 1)[1],
+            function=name,
+            hf_model=found.hf_model if found else None,
+            kind=found.kind if found else "",
+        )
+    found = catalog.find(name)
+    if found is not None:
+        return Recipe(name=found.name, function=found.ref, hf_model=found.hf_model, kind=found.kind)
+    names = [r.name for r in catalog.bridge_recipes()]
+    close = difflib.get_close_matches(name, names, n=3, cutoff=0.6)
+    hint = f"did you mean {', '.join(close)}? " if close else ""
+    where = (
+        f"nor one of Megatron-Bridge's {len(names)} recipes; {hint}`megaray recipes` lists them all"
+        if names
+        else "and Megatron-Bridge is not installed here for its own (pip install megaray[megatron])"
+    )
+    raise UsageError(
+        f"unknown recipe {name!r}: not a file under recipes/ ({', '.join(available_recipes())}) {where}"
     )
 
 

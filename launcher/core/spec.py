@@ -32,6 +32,7 @@ DEFAULT_HANG_TIMEOUT_S = 300.0
 DEFAULT_EXIT_GRACE_S = 60.0
 # After a failure or a stop, surviving ranks get SIGTERM, then are killed after this (torchrun: 30 s).
 DEFAULT_KILL_GRACE_S = 5.0
+DEFAULT_GPU_MEMORY_GB = 80.0  # H100 / A100 80GB, what bridge's recipes are written for
 _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 
@@ -60,6 +61,7 @@ class LaunchSpec:
     spares: bool = True  # with restarts left, warm spare actors wait in the bundles (spares.py)
     exit_grace_s: float = DEFAULT_EXIT_GRACE_S  # a returned rank's process may finish its exit this long
     kill_grace_s: float = DEFAULT_KILL_GRACE_S  # SIGTERM, then this long before the kill
+    gpu_memory_gb: float = DEFAULT_GPU_MEMORY_GB  # per GPU, what the memory preflight checks against
 
     def __post_init__(self):
         if self.nodes < 1:
@@ -92,6 +94,8 @@ class LaunchSpec:
         for flag, value in (("--exit-grace", self.exit_grace_s), ("--kill-grace", self.kill_grace_s)):
             if value < 0:
                 raise ValueError(f"{flag} must be 0 or more seconds, got {value}")
+        if self.gpu_memory_gb <= 0:
+            raise ValueError(f"--gpu-memory-gb must be above 0, got {self.gpu_memory_gb}")
         if self.peak_tflops <= 0:
             raise ValueError(f"--peak-tflops must be above 0, got {self.peak_tflops}")
         if self.dry_run != (self.target.kind is TargetKind.DRYRUN):
@@ -174,12 +178,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-m", "--module", help="run a module as `python -m MODULE` on every rank")
     p.add_argument(
         "--recipe",
-        help="run Megatron-Bridge pretrain() with this recipe (a name under recipes/ or a YAML path); "
-        "trailing key=value arguments override it",
+        help="run Megatron-Bridge with this recipe: a name under recipes/, a YAML path, or one of bridge's "
+        "own recipe functions by name or as module:function (`megaray recipes` lists them); trailing "
+        "key=value arguments override it",
     )
     p.add_argument("--hf-path", help="HF model id or local folder to read the model config from")
     p.add_argument(
         "--check", action="store_true", help="build the recipe's config here and check its layout, then exit"
+    )
+    p.add_argument(
+        "--gpu-memory-gb",
+        type=float,
+        default=DEFAULT_GPU_MEMORY_GB,
+        help=f"GiB of memory per GPU: a recipe whose estimate at the first step is larger is refused "
+        f"before any GPU is taken (default {DEFAULT_GPU_MEMORY_GB:g}: H100/A100 80GB)",
     )
     p.add_argument(
         "--log-ranks",
@@ -286,6 +298,7 @@ def spec_from_args(
             forwarded=tuple(forwarded_env(environ).items()),
             cwd=cwd or os.getcwd(),
             check_only=args.check,
+            gpu_memory_gb=args.gpu_memory_gb,
             log_ranks=args.log_ranks,
             runs_dir=args.runs_dir,
             peak_tflops=args.peak_tflops,

@@ -1,4 +1,5 @@
-"""The Megatron target: build a recipe's config and call Megatron-Bridge `pretrain()` on this rank.
+"""The Megatron target: build a recipe's config and call Megatron-Bridge `pretrain()` (or, for SFT
+and PEFT recipes, `finetune()`) on this rank.
 
 The config is built where it runs (each rank), and also in the driver for the preflight, from the
 same function, so both see the same values. Also runnable under torchrun, for comparisons:
@@ -96,7 +97,12 @@ def build_config(recipe: Recipe, overrides: list[str], hf_path: str | None = Non
                 ) from None
             if problem := override_type_problem(cfg, key.lstrip("+~")):
                 raise UsageError(f"override {item!r} from the {source}: {problem}")
-    notes = [f"no TransformerEngine here: {c}" for c in compat.adapt_model_without_te(cfg.model)]
+    why = (
+        "the recipe asks for the local implementation"
+        if compat.te_installed()
+        else "no TransformerEngine here"
+    )
+    notes = [f"{why}: {c}" for c in compat.adapt_model_without_te(cfg.model)]
     return cfg, notes
 
 
@@ -119,16 +125,55 @@ def hf_config_problem(repo: str) -> str | None:
         return f"is not in the HF cache ({cache}) and {host} cannot be reached ({e.strerror or e})"
 
 
-def pretrain_recipe(recipe: Recipe, overrides: list[str], hf_path: str | None = None) -> None:
-    """What each rank runs: Megatron-Bridge `pretrain(config=cfg, forward_step_func=forward_step)`."""
+def is_finetune(recipe: Recipe, cfg: Any) -> bool:
+    """SFT and PEFT recipes run bridge's finetune(), which starts from pretrained weights."""
+    return (
+        recipe.kind in ("sft", "peft")
+        or getattr(cfg, "peft", None) is not None
+        or type(cfg.dataset).__name__.startswith("Finetuning")
+    )
+
+
+def has_checkpoint(path: str | None) -> bool:
+    """Whether `path` holds a Megatron checkpoint to resume from (bridge's tracker file, or iter_*)."""
+    if not path or not os.path.isdir(path):
+        return False
+    return os.path.isfile(os.path.join(path, "latest_checkpointed_iteration.txt")) or any(
+        name.startswith("iter_") for name in os.listdir(path)
+    )
+
+
+def finetune_problem(recipe: Recipe, cfg: Any) -> str | None:
+    """Finetuning without pretrained weights: bridge asserts once every rank has started when no
+    checkpoint is named, and, when `checkpoint.load` names an empty folder (the recipes' default),
+    trains from random weights without a word."""
+    ckpt = cfg.checkpoint
+    if not is_finetune(recipe, cfg) or ckpt.pretrained_checkpoint or has_checkpoint(ckpt.load):
+        return None
+    hf = recipe.hf_model or "ORG/MODEL"
+    return (
+        f"recipe {recipe.name} finetunes pretrained weights: pass checkpoint.pretrained_checkpoint=DIR, a "
+        f'Megatron checkpoint (from HF weights: python -c "from megatron.bridge import AutoBridge; '
+        f"AutoBridge.import_ckpt('{hf}', 'DIR')\")"
+    )
+
+
+def train_recipe(recipe: Recipe, overrides: list[str], hf_path: str | None = None) -> None:
+    """What each rank runs: Megatron-Bridge `pretrain(config=cfg, forward_step_func=forward_step)`,
+    or `finetune(...)` for SFT and PEFT recipes, as bridge's own example scripts call them."""
     cfg, notes = build_config(recipe, overrides, hf_path)
     for note in notes:
         print(f"megaray: {note}", flush=True)
+    if problem := finetune_problem(recipe, cfg):
+        raise UsageError(problem)
     compat.skip_compile_helpers_if_prebuilt()
     from megatron.bridge.training.gpt_step import forward_step
-    from megatron.bridge.training.pretrain import pretrain
 
-    pretrain(config=cfg, forward_step_func=forward_step)
+    if is_finetune(recipe, cfg):
+        from megatron.bridge.training.finetune import finetune as entry
+    else:
+        from megatron.bridge.training.pretrain import pretrain as entry
+    entry(config=cfg, forward_step_func=forward_step)
     report_peak_memory()
 
 
@@ -154,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--hf-path")
     parser.add_argument("overrides", nargs="*")
     args = parser.parse_args(sys.argv[1:] if argv is None else argv)
-    pretrain_recipe(load_recipe(args.recipe), args.overrides, args.hf_path)
+    train_recipe(load_recipe(args.recipe), args.overrides, args.hf_path)
 
 
 if __name__ == "__main__":

@@ -120,8 +120,9 @@ def import_bridge() -> types.ModuleType:
 
 
 def adapt_model_without_te(model: Any) -> list[str]:
-    """Local layer spec and no kernel fusions when TE is absent; returns what was changed."""
-    if te_installed():
+    """Local layer spec and no kernel fusions when TE is absent, or when the recipe asks for the
+    local implementation (`model.transformer_impl=local`); returns what was changed."""
+    if te_installed() and getattr(model, "transformer_impl", None) != "local":
         return []
     from megatron.bridge.models.gpt_provider import local_layer_spec
 

@@ -56,6 +56,21 @@ def preflight(spec: LaunchSpec) -> Plan | None:
             f"recipe {target.recipe.name}: layout {layout.describe()} does not fit: " + "; ".join(problems)
         )
     dp = spec.world_size // (layout.tp * layout.pp * layout.cp)
+    for note in notes:
+        log.info("preflight: %s", note)
+    from .bridge_target import finetune_problem
+
+    if problem := finetune_problem(target.recipe, cfg):
+        raise UsageError(problem)
+    if missing := data_problems(cfg):
+        raise UsageError(
+            f"recipe {target.recipe.name}: {'; '.join(missing)} on this machine (the ranks read the same "
+            "paths: put the data on a shared filesystem, or at the same path on every node)"
+        )
+    if spec.uses_gpus:
+        check_memory(
+            spec, cfg, te_adapted=any("no TransformerEngine here: transformer_impl" in n for n in notes)
+        )
     log.info(
         "preflight: %s, DP %d fits %d rank(s) (%.1f s)",
         layout.describe(),
@@ -63,6 +78,31 @@ def preflight(spec: LaunchSpec) -> Plan | None:
         spec.world_size,
         time.monotonic() - t0,
     )
-    for note in notes:
-        log.info("preflight: %s", note)
     return Plan(layout, cfg, facts_from_config(cfg))
+
+
+def data_problems(cfg: Any) -> list[str]:
+    from ..core.dataset_paths import blend_prefixes, missing_data
+
+    d, t = cfg.dataset, cfg.tokenizer
+    prefixes = blend_prefixes(getattr(d, "blend", None))
+    for split in getattr(d, "blend_per_split", None) or ():
+        prefixes += blend_prefixes(split)
+    files = [(f"tokenizer.{k}", getattr(t, k, None)) for k in ("tokenizer_model", "vocab_file", "merge_file")]
+    return missing_data(prefixes, getattr(d, "dataset_root", None), [(k, str(v)) for k, v in files if v])
+
+
+def check_memory(spec: LaunchSpec, cfg: Any, te_adapted: bool) -> None:
+    """Exit 2 before any GPU is taken when the first step would not fit the GPU's memory."""
+    from . import memory
+
+    try:
+        est, problem = memory.check(cfg, spec.world_size, spec.gpu_memory_gb, te_adapted)
+    except Exception as e:  # a model bridge's estimator does not cover: say so, and go on
+        log.warning("preflight: no memory estimate for this model (%s)", " ".join(str(e).split())[:200])
+        return
+    if problem:
+        raise UsageError(f"recipe {spec.target.recipe.name}: {problem}")
+    log.info("preflight: memory %s, of %g GiB", est.describe(), spec.gpu_memory_gb)
+    for note in est.notes[1:]:
+        log.info("preflight: memory: %s", note)

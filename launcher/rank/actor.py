@@ -199,9 +199,9 @@ def run_target(target: Target, cwd: str) -> Any:
 
         return check_and_train(*target.args)
     if target.kind is TargetKind.MEGATRON:
-        from ..megatron.bridge_target import pretrain_recipe
+        from ..megatron.bridge_target import train_recipe
 
-        return pretrain_recipe(target.recipe, list(target.args), target.hf_path)
+        return train_recipe(target.recipe, list(target.args), target.hf_path)
     if target.kind is TargetKind.SCRIPT:
         path = os.path.join(cwd, target.name)
         if not os.path.isfile(path):
