@@ -1,6 +1,7 @@
 """Launch overhead against torchrun: from the command to every rank past init_process_group and a
-barrier, on CPU with gloo, for megaray attached to a running cluster, megaray starting its own
-local Ray, and `torchrun --standalone`, measured in the same run, repeated.
+barrier, on CPU with gloo, for megaray attached to a running cluster, megaray with a `megaray up`
+running (no address given), megaray starting its own local Ray, and `torchrun --standalone`,
+measured in the same run, interleaved, repeated.
 
     python bench/launch_overhead.py --ranks 2 4 8 16 --repeats 3
 """
@@ -8,14 +9,16 @@ local Ray, and `torchrun --standalone`, measured in the same run, repeated.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import shutil
+import subprocess
 import tempfile
 from pathlib import Path
 
-from common import PY, REPO, median, ray_cluster, summary, timed
+from common import PY, REPO, clean_env, median, ray_cluster, summary, timed
 
 TARGET = str(REPO / "bench" / "barrier.py")
-MODES = ("torchrun", "megaray-attached", "megaray-own-ray")
+MODES = ("torchrun", "megaray-attached", "megaray-up", "megaray-own-ray")
 
 
 def one(cmd: list[str], ranks: int) -> tuple[float, float]:
@@ -36,6 +39,24 @@ def one(cmd: list[str], ranks: int) -> tuple[float, float]:
         shutil.rmtree(out, ignore_errors=True)
 
 
+@contextlib.contextmanager
+def megaray_up(ranks: int):
+    """`megaray up` for the run, in a state folder of its own (the other modes do not see it)."""
+    state = tempfile.mkdtemp(prefix="mrb-", dir="/tmp")
+    env = {**clean_env(), "MEGARAY_STATE_DIR": state}
+    up = [PY, str(REPO / "main.py"), "up", "--nodes", "1", "--gpus-per-node", str(ranks)]
+    p = subprocess.run(up, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    if p.returncode != 0:
+        raise RuntimeError(f"megaray up failed:\n{p.stderr[-3000:]}")
+    try:
+        yield state
+    finally:
+        subprocess.run(
+            [PY, str(REPO / "main.py"), "down"], cwd=REPO, env=env, capture_output=True, timeout=120
+        )
+        shutil.rmtree(state, ignore_errors=True)
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16])
@@ -44,11 +65,12 @@ def main(argv: list[str] | None = None) -> dict:
     args = parser.parse_args(argv)
     megaray = [PY, str(REPO / "main.py"), "--device", "cpu", "--cpus-per-rank", "0.1"]
     results: dict = {}
-    with ray_cluster(nodes=1, cpus_per_node=max(args.ranks)) as address:
+    with ray_cluster(nodes=1, cpus_per_node=max(args.ranks)) as address, megaray_up(max(args.ranks)) as state:
         for n in args.ranks:
             modes = {
                 "torchrun": [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)],
                 "megaray-attached": [*megaray, "--address", address, "--gpus-per-node", str(n)],
+                "megaray-up": ["env", f"MEGARAY_STATE_DIR={state}", *megaray, "--gpus-per-node", str(n)],
                 "megaray-own-ray": [*megaray, "--gpus-per-node", str(n)],
             }
             modes = {m: cmd for m, cmd in modes.items() if m in args.modes}

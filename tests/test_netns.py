@@ -57,6 +57,40 @@ def test_an_unchanged_gloo_program_runs_across_three_machines_in_numeric_ip_orde
     assert out.count("sum=3 expected=3") == 3
 
 
+def test_a_node_that_cannot_reach_another_is_named_by_the_doctor_and_at_launch(machines, tmp_path):
+    # Machine 2 (10.77.0.11) drops what it sends to machine 1 (10.77.0.9, rank 0's): a firewall between
+    # two workers. Ray's own traffic goes through the head (10.77.0.10) and keeps working.
+    import time
+
+    route = ["ip", "netns", "exec", "mrn2", "ip", "route"]
+    subprocess.run([*route, "add", "blackhole", "10.77.0.9/32"], check=True, timeout=30)
+    try:
+        doctor = [sys.executable, "main.py", "doctor", "--address", machines]
+        p = subprocess.run(doctor, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+        assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+        assert re.search(r"^\s+2 10\.77\.0\.11\s+mrw2\s+FAIL\s+ok\s+-", p.stdout, flags=re.M), p.stdout[
+            -2000:
+        ]
+        assert (
+            "node 2 (10.77.0.11, mrw2) cannot reach node 0 (10.77.0.9, mrw1) on the rendezvous ports"
+            in p.stderr
+        )
+        t0 = time.monotonic()
+        cmd = [sys.executable, "main.py", "--address", machines, "--device", "cpu", "--nodes", "3",
+               "--job-name", "blackhole", "--runs-dir", str(tmp_path),
+               "examples/torchrun_script.py"]  # fmt: skip
+        p = subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+        assert p.returncode == 2, p.stdout[-3000:] + p.stderr[-3000:]
+        line = next(ln for ln in p.stderr.splitlines() if ln.startswith("megaray: error:"))
+        assert "rank 2 on 10.77.0.11 (" in line and "interface mrw2) cannot reach the rendezvous" in line
+        assert "= 10.77.0.9:" in line and "interface mrw1)" in line and "Traceback" not in p.stderr
+        assert time.monotonic() - t0 < 60
+        dashboard = "http://" + machines.replace(":36500", ":36501")
+        assert _left_on_the_cluster(dashboard, "blackhole") == "[] []"
+    finally:
+        subprocess.run([*route, "del", "blackhole", "10.77.0.9/32"], timeout=30)
+
+
 LOOP = """
 import time, torch, torch.distributed as dist
 dist.init_process_group("gloo")

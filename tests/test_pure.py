@@ -608,3 +608,16 @@ def test_data_paths_a_config_names_are_checked(tmp_path):
         f"dataset.dataset_root {tmp_path}/sft is not a folder",
         "tokenizer.vocab_file /no/vocab.json does not exist",
     ]
+
+
+def test_the_doctor_s_link_matrix_names_each_pair_that_cannot_connect():
+    from launcher.cli.doctor import link_matrix
+
+    ips, ifaces = ["10.0.0.9", "10.0.0.10"], ["ens5", None]
+    table, failed = link_matrix(ips, ifaces, [[None, None], ["no answer within 3 s", None]])
+    assert table.splitlines()[1].split() == ["0", "10.0.0.9", "ens5", "-", "ok"]
+    assert table.splitlines()[2].split() == ["1", "10.0.0.10", "?", "FAIL", "-"]
+    assert failed == [
+        "node 1 (10.0.0.10, ?) cannot reach node 0 (10.0.0.9, ens5) on the rendezvous ports: no answer "
+        "within 3 s"
+    ]

@@ -123,6 +123,27 @@ def slow_nodes(per_node: dict[int, float]) -> list[int]:
     return sorted(n for n, bw in per_node.items() if bw < 0.5 * median)
 
 
+def link_matrix(
+    ips: list[str], ifaces: list[str | None], results: list[list[str | None]]
+) -> tuple[str, list[str]]:
+    """The table of which node reached which (row: from, column: to), and a line per pair that did
+    not. `results[i][j]` is None when node i reached node j (the diagonal is not probed)."""
+    rows = [("from \\ to", "interface", *(str(j) for j in range(len(ips))))]
+    failed = []
+    for i, ip in enumerate(ips):
+        cells = []
+        for j in range(len(ips)):
+            why = None if i == j else results[i][j]
+            cells.append("-" if i == j else "ok" if why is None else "FAIL")
+            if i != j and why is not None:
+                to = f"node {j} ({ips[j]}, {ifaces[j] or '?'})"
+                failed.append(
+                    f"node {i} ({ip}, {ifaces[i] or '?'}) cannot reach {to} on the rendezvous ports: {why}"
+                )
+        rows.append((f"{i} {ip}", ifaces[i] or "?", *cells))
+    return format_table(rows, "  "), failed
+
+
 def _size(n: int) -> str:
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
@@ -159,7 +180,7 @@ def main(argv: list[str]) -> int:
     )
     with connect(probe_spec):
         reports = _probe_all(args, profile)
-        ok = _print_nodes(reports)
+        ok = _print_nodes(reports) & _links()
         if args.nodes is None:
             log.info("all-reduce test skipped: pass --nodes and --gpus-per-node to run it over that layout")
             return 0 if ok else 1
@@ -187,6 +208,42 @@ def _probe_all(args: argparse.Namespace, profile: dict[str, str]) -> list[NodeRe
     return check_nodes(
         list(zip(infos, declared, strict=True)), want, args.gpus_per_node, args.device, profile_needs(profile)
     )
+
+
+def _links(timeout_s: float = 3.0) -> bool:
+    """Every node tries to connect to every other on a port of the rendezvous range (20000-29999),
+    from where ranks would: gloo and NCCL connect every pair, not only to rank 0."""
+    import ray
+
+    from ..driver.actors import kill_actors, on_node
+    from ..rank.links import LinkProbe
+
+    alive = sorted(
+        (n for n in ray.nodes() if n["Alive"]),
+        key=lambda n: ip_sort_key(n["NodeManagerAddress"], n["NodeID"]),
+    )
+    if len(alive) < 2:
+        return True
+    ips = [n["NodeManagerAddress"] for n in alive]
+    probes = [
+        ray.remote(LinkProbe).options(**on_node(n["NodeID"])).remote(ip)
+        for n, ip in zip(alive, ips, strict=True)
+    ]
+    try:
+        listening = ray.get([p.listen.remote(f"doctor-{i}") for i, p in enumerate(probes)], timeout=60)
+        targets = [(ip, port) for ip, (port, _) in zip(ips, listening, strict=True)]
+        refs = [
+            p.reach_all.remote(targets, timeout_s) for p in probes
+        ]  # its own too: the diagonal is shown as -
+        results = ray.get(refs, timeout=timeout_s * len(ips) + 60)
+        ray.get([p.close.remote() for p in probes], timeout=30)
+    finally:
+        kill_actors(probes)
+    table, failed = link_matrix(ips, [iface for _, iface in listening], results)
+    print(f"links between nodes (TCP, rendezvous port range):\n{table}", flush=True)
+    for line in failed:
+        log.error("%s", line)
+    return not failed
 
 
 def _print_nodes(reports: list[NodeReport]) -> bool:

@@ -58,6 +58,10 @@ def main(argv: list[str] | None = None) -> int:
             from .doctor import main as doctor_main
 
             return doctor_main(argv[1:])
+        if argv and argv[0] in ("up", "down"):
+            from .up import main as up_main
+
+            return up_main(argv[0], argv[1:])
         if argv and argv[0] == "recipes":
             from .recipes import main as recipes_main
 

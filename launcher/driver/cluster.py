@@ -18,6 +18,9 @@ from ..core.spec import LaunchSpec
 from ..core.target import TargetKind
 from ..core.topology import RankReport
 from ..core.versions import python_version
+from . import up
+from .auth import AUTH_HINT, token_mode
+from .nodeenv import node_environment
 
 log = logging.getLogger("megaray")
 NAMESPACE = "megaray"
@@ -70,80 +73,6 @@ def _http2_answer(s: socket.socket, timeout_s: float) -> bytes | None:
         return None
 
 
-_AUTH_HINT = (
-    "uses token authentication and no token was found here: set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH, "
-    "or write ~/.ray/auth_token) to the cluster's token, which `ray get-auth-token` prints on the head"
-)
-
-
-def _refused(address: str, token: str | None = None, timeout_s: float = 5.0) -> bool | None:
-    """Whether the GCS at `address` refuses a call that carries `token` (or none), asked with one
-    gRPC call instead of Ray's 20 s of retries and log lines; None where it could not be asked."""
-    import grpc  # a Ray dependency
-
-    metadata = (("authorization", f"Bearer {token}"),) if token else None
-    try:
-        with grpc.insecure_channel(address) as channel:
-            channel.unary_unary("/ray.rpc.NodeInfoGcsService/GetClusterId")(
-                b"", timeout=timeout_s, metadata=metadata
-            )
-        return False
-    except grpc.RpcError as e:
-        return True if e.code() == grpc.StatusCode.UNAUTHENTICATED else None
-    except Exception:  # an address grpc cannot parse: ray.init will say why
-        return None
-
-
-def _token() -> tuple[str, str] | None:
-    """The token Ray would send from this process and where it comes from, in Ray's own order."""
-    if os.environ.get("RAY_AUTH_TOKEN"):
-        return "RAY_AUTH_TOKEN", os.environ["RAY_AUTH_TOKEN"].strip()
-    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.expanduser("~/.ray/auth_token")
-    try:
-        return path, open(path).read().strip()
-    except OSError:
-        return None
-
-
-@contextlib.contextmanager
-def token_mode(address: str) -> Iterator[None]:
-    """Attach to a token-authenticated cluster with the token this machine has, as `ray start` on
-    its head does, although Ray 2.60 turns token mode on for an explicit address only when
-    RAY_AUTH_MODE=token is set; fail in one line when there is no token to send."""
-    if _refused(address) is not True:
-        yield
-        return
-    found = _token()
-    if found is None:
-        raise ClusterError(f"the Ray cluster at {address} {_AUTH_HINT}")
-    source, token = found
-    mode = os.environ.get("RAY_AUTH_MODE", "token")
-    if mode != "token":
-        raise ClusterError(
-            f"the Ray cluster at {address} uses token authentication and RAY_AUTH_MODE={mode} here: unset "
-            f"it or set RAY_AUTH_MODE=token (the token in {source} is sent then)"
-        )
-    if _refused(address, token):
-        raise ClusterError(
-            f"the Ray cluster at {address} uses token authentication and rejected the token sent (from "
-            f"{source}): set RAY_AUTH_TOKEN (or RAY_AUTH_TOKEN_PATH) to the cluster's token, which "
-            "`ray get-auth-token` prints on the head"
-        )
-    if os.environ.get("RAY_AUTH_MODE") == "token":
-        yield
-        return
-    from ray._raylet import Config
-
-    log.info("the cluster at %s uses token authentication: sending the token from %s", address, source)
-    os.environ["RAY_AUTH_MODE"] = "token"
-    Config.initialize("")  # Ray read the mode when imported: as `ray start` does, have it read again
-    try:
-        yield
-    finally:
-        os.environ.pop("RAY_AUTH_MODE", None)
-        Config.initialize("")
-
-
 def _caused_by_auth(e: BaseException | None) -> bool:
     """Ray wraps a rejected token in connection errors: look down the chain."""
     while e is not None:
@@ -161,7 +90,7 @@ def _init(**kwargs: Any) -> None:
         ray.init(namespace=NAMESPACE, logging_level=logging.WARNING, **kwargs)
     except (AuthenticationError, ConnectionError, RuntimeError) as e:
         if _caused_by_auth(e):
-            raise ClusterError(f"the Ray cluster at {address} {_AUTH_HINT}") from None
+            raise ClusterError(f"the Ray cluster at {address} {AUTH_HINT}") from None
         if isinstance(e, ConnectionError):
             raise ClusterError(
                 f"cannot connect to Ray at {address}: {str(e).splitlines()[0]}; fix --address or RAY_ADDRESS"
@@ -195,6 +124,14 @@ def connect(spec: LaunchSpec) -> Iterator[Cluster]:
             stack.enter_context(token_mode(spec.address))
             _init(address=spec.address, log_to_driver=streams)
             cluster = Cluster(address=spec.address, fixed_size=False)
+        elif (standing := up.running()) is not None:
+            log.info(
+                "attaching to the local Ray of `megaray up` at %s (`megaray down` stops it)",
+                standing.describe(),
+            )
+            stack.enter_context(token_mode(standing.address))
+            _init(address=standing.address, log_to_driver=streams)
+            cluster = Cluster(address=standing.address, fixed_size=True)
         elif spec.dry_run or (spec.nodes > 1 and not spec.uses_gpus):
             # the exact launch a cluster will get, its nodes simulated here: NODE_RANK, GROUP_RANK and
             # cross-node collectives over gloo can be tried on a laptop
@@ -229,31 +166,6 @@ def quiet_raylet(on: bool) -> None:
     import ray._private.worker as ray_worker
 
     ray_worker._worker_logs_enabled = not on
-
-
-# What a node's `ray start` would have in its environment: the login basics and the Python it runs,
-# Ray's own settings and machine-level fixes; not the variables of whoever launched (rankenv.py
-# forwards the ones ranks need, the same way locally and on a cluster).
-NODE_ENV = frozenset({
-    "PATH", "HOME", "USER", "LOGNAME", "SHELL", "LANG", "LANGUAGE", "TZ", "TMPDIR", "TEMP", "TMP", "HOSTNAME",
-    "PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV", "CONDA_PREFIX", "CONDA_DEFAULT_ENV", "LD_LIBRARY_PATH",
-    "LD_PRELOAD", "CUDA_HOME", "CUDA_VISIBLE_DEVICES",
-})  # fmt: skip
-NODE_ENV_PREFIXES = ("LC_", "RAY_", "PYENV", "OPENBLAS_")
-
-
-@contextlib.contextmanager
-def node_environment() -> Iterator[None]:
-    """Start local Ray processes with a node's environment, not the driver's (restored after)."""
-    saved = dict(os.environ)
-    keep = {k: v for k, v in saved.items() if k in NODE_ENV or k.startswith(NODE_ENV_PREFIXES)}
-    os.environ.clear()
-    os.environ.update(keep)
-    try:
-        yield
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
 
 
 def _simulate(spec: LaunchSpec):

@@ -39,6 +39,7 @@ from . import placement, ports
 from .actors import first_line, kill_actors, start_rank_actor, wait_all
 from .cluster import check_versions
 from .endings import died, exit_gracefully, inspect_hang, last_words, salvage, spool_path
+from .links import check_rendezvous
 from .spares import SparePool, SparesUnusable
 from .supervise import StopSignal
 
@@ -171,6 +172,7 @@ class RankGang:
         self.mark("actors_ready")
         check_versions(self.reports)
         master = (self.slots[0].node_ip, self._choose_port(self.slots[0].node_ip))
+        check_rendezvous(self.actors, self.slots, self.reports, master, self.stop)
         decisions = self._decide_envs(master)
         self.sink = sink
         self.handles = tuple(

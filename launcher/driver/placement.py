@@ -133,7 +133,7 @@ def cluster_cannot_grow() -> bool:
 
 NO_AUTOSCALER = (
     "or add a node that can hold a group (`ray start --address HEAD:PORT` on another machine): this "
-    "cluster has no autoscaler, so none will come by itself"
+    "cluster has no autoscaler, so none comes by itself"
 )
 
 
@@ -147,9 +147,17 @@ def place_groups(spec: LaunchSpec, name: str, stop: StopSignal, fixed_size: bool
     problem = feasibility_problem(spec)
     if problem and fixed_size:
         raise resource_error(spec, 0, problem, describe_nodes(), can_grow=False)
+    fix = None
     if problem and cluster_cannot_grow():
-        raise resource_error(spec, 0, problem, describe_nodes(), can_grow=False, fix=NO_AUTOSCALER)
-    if problem:
+        # No autoscaler will add a node; one started by hand, or a KubeRay replica still booting, can.
+        fix = NO_AUTOSCALER
+        cpu = "; without GPUs, --device cpu runs the ranks on CPUs (gloo)" if spec.uses_gpus else ""
+        log.warning(
+            "%s, and this cluster has no autoscaler: waiting up to %gs for a node started by hand (ray "
+            "start, Slurm, a KubeRay replica still booting); Ctrl-C stops the wait%s",
+            problem, spec.placement_timeout_s, cpu,
+        )  # fmt: skip
+    elif problem:
         log.warning("%s; waiting up to %gs for more nodes", problem, spec.placement_timeout_s)
     before = describe_nodes()  # what others left free, for the message if we time out
     deadline = time.monotonic() + spec.placement_timeout_s
@@ -165,7 +173,7 @@ def place_groups(spec: LaunchSpec, name: str, stop: StopSignal, fixed_size: bool
         remove_groups(groups)
         why = f"not placed within {spec.placement_timeout_s:g}s on {spec.nodes} distinct nodes"
         raise resource_error(
-            spec, e.placed, f"{problem}; {why}" if problem else why, before, can_grow=not fixed_size
+            spec, e.placed, f"{problem}; {why}" if problem else why, before, can_grow=not fixed_size, fix=fix
         ) from None
     except BaseException:
         remove_groups(groups)
@@ -226,8 +234,8 @@ def resource_error(
         else (
             "free or add nodes, or wait longer with --placement-timeout"
             if can_grow
-            else "or attach to a larger cluster with --address (this local Ray was started for this run and "
-            "cannot grow)"
+            else "or attach to a larger cluster with --address (a local Ray, started for this run or by "
+            "`megaray up`, cannot grow: `megaray down`, then `megaray up` with the layout)"
             + (
                 "; without one, --device cpu runs the ranks on CPUs (gloo), nodes simulated here"
                 if spec.uses_gpus

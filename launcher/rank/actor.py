@@ -84,6 +84,23 @@ class RankActor:
                     break
         return found
 
+    def open_rendezvous(self, port: int) -> None:
+        """On the master rank: listen on MASTER_PORT for the other ranks' reachability probe."""
+        from .links import Listener
+
+        self.listener = Listener(port)
+
+    def close_rendezvous(self) -> None:
+        listener, self.listener = getattr(self, "listener", None), None
+        if listener is not None:
+            listener.close()
+
+    def reach(self, host: str, port: int, timeout_s: float) -> str | None:
+        """From this rank's node: can MASTER_ADDR:MASTER_PORT be reached? None, or why not."""
+        from .links import reach
+
+        return reach(host, port, timeout_s)
+
     def warm(self, env: dict[str, str], steps: tuple[str, ...]) -> dict[str, Any]:
         """As a spare for the next attempt: take the env and do the imports now (driver/spares.py)."""
         from .warmup import warm

@@ -1,0 +1,209 @@
+"""`megaray up` / `megaray down`: a local Ray that outlives one launch.
+
+A launch with no address starts a Ray for itself and stops it after (3-4 s of every launch on a
+laptop, more on 2 cores); developers launch, read the error, fix, launch again. `megaray up` starts
+the same local cluster (simulated nodes, as the local launch makes them) as `ray start --block`
+processes in the background, one per node, and records them in a state file; launches with no
+`--address` and no `RAY_ADDRESS` attach to it; `megaray down` stops them by pid (each `ray start
+--block` stops its raylet and workers on SIGTERM) and leaves nothing running. Never `ray stop`: it
+would stop every Ray on the machine.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..core.errors import ClusterError
+
+log = logging.getLogger("megaray")
+
+NODE_START_TIMEOUT_S = 90.0
+
+
+def state_dir() -> Path:
+    """Private to this user: the state file and the cluster's Ray temp dir (short, for Ray's sockets)."""
+    d = Path(os.environ.get("MEGARAY_STATE_DIR") or Path(tempfile.gettempdir()) / f"megaray-{os.getuid()}")
+    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    return d
+
+
+@dataclass(frozen=True)
+class Standing:
+    """A running `megaray up`: where it is, what it holds, and the processes that make it."""
+
+    address: str  # HOST:PORT of its GCS
+    nodes: int
+    gpus_per_node: int
+    device: str
+    pids: tuple[int, ...]  # the `ray start --block` processes, head first
+    temp_dir: str
+    started_at: float
+
+    def describe(self) -> str:
+        unit = "GPUs" if self.device == "gpu" else "CPU ranks"
+        return f"{self.address} ({self.nodes} node(s) x {self.gpus_per_node} {unit})"
+
+
+def _path() -> Path:
+    return state_dir() / "up.json"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError):  # a zombie left by a parent that has not reaped it
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
+    return True
+
+
+def running() -> Standing | None:
+    """The `megaray up` cluster if its head is alive; a stale state file is removed."""
+    path = _path()
+    try:
+        data = json.loads(path.read_text())
+        state = Standing(**{**data, "pids": tuple(data["pids"])})
+    except (OSError, ValueError, TypeError, KeyError):
+        return None
+    if _alive(state.pids[0]):
+        return state
+    with contextlib.suppress(OSError):
+        path.unlink()
+    return None
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_node(args: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    cmd = [ray_bin, "start", "--block", "--disable-usage-stats", *args]
+    with open(log_path, "a") as out:
+        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def start(nodes: int, gpus_per_node: int, device: str, cpus_per_rank: float = 1.0) -> Standing:
+    """Start the cluster and wait until every node has registered."""
+    import ray
+
+    from .auth import token_mode
+    from .nodeenv import NODE_ENV, NODE_ENV_PREFIXES
+
+    root = state_dir()
+    temp_dir = root / "ray"
+    port = _free_port()
+    cpus = max(1, int(cpus_per_rank * gpus_per_node + 0.999))
+    gpus = gpus_per_node if device == "gpu" else 0
+    env = {k: v for k, v in os.environ.items() if k in NODE_ENV or k.startswith(NODE_ENV_PREFIXES)}
+    env.pop("RAY_ADDRESS", None)
+    per_node = ["--num-cpus", str(cpus), "--num-gpus", str(gpus)]
+    logs = root / "up.log"
+    procs = [
+        _start_node(
+            ["--head", "--port", str(port), "--node-ip-address", "127.0.0.1", "--include-dashboard", "false",
+             "--temp-dir", str(temp_dir), *per_node],
+            logs, env,
+        )
+    ]  # fmt: skip
+    address = f"127.0.0.1:{port}"
+    state = Standing(address, nodes, gpus_per_node, device, (procs[0].pid,), str(temp_dir), time.time())
+    try:
+        _wait(lambda: _reachable(address), procs[0], logs)
+        with token_mode(address):
+            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+            try:
+                for _ in range(nodes - 1):  # one at a time: raylets registering together time out on 2 cores
+                    before = _count_alive()
+                    procs.append(_start_node(["--address", address, *per_node], logs, env))
+                    _wait(lambda b=before: _count_alive() > b, procs[-1], logs)
+            finally:
+                ray.shutdown()
+    except BaseException:
+        stop(dataclasses.replace(state, pids=tuple(p.pid for p in procs)))
+        raise
+    state = dataclasses.replace(state, pids=tuple(p.pid for p in procs))
+    _path().write_text(json.dumps(dataclasses.asdict(state)))
+    os.chmod(_path(), 0o600)
+    return state
+
+
+def _reachable(address: str) -> bool:
+    host, port = address.rsplit(":", 1)
+    try:
+        with socket.create_connection((host, int(port)), timeout=1):
+            return True
+    except OSError:
+        return False
+
+
+def _count_alive() -> int:
+    import ray
+
+    return sum(n["Alive"] for n in ray.nodes())
+
+
+def _wait(ready, proc: subprocess.Popen, logs: Path) -> None:
+    deadline = time.monotonic() + NODE_START_TIMEOUT_S
+    while not ready():
+        if proc.poll() is not None or time.monotonic() > deadline:
+            tail = logs.read_text()[-1500:] if logs.exists() else ""
+            raise ClusterError(f"a node of `megaray up` did not start (see {logs}): {tail.strip()[-400:]}")
+        time.sleep(0.2)
+
+
+def stop(state: Standing, wait_s: float = 30.0) -> list[int]:
+    """SIGTERM each node's `ray start --block` (workers first), then SIGKILL its process group if it
+    is still there after `wait_s`. Returns the pids that had to be killed."""
+    killed = []
+    for pid in reversed(state.pids):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+    deadline = time.monotonic() + wait_s
+    for pid in reversed(state.pids):
+        while _alive(pid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if _alive(pid):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(pid, signal.SIGKILL)
+            killed.append(pid)
+        with contextlib.suppress(ChildProcessError, OSError):
+            os.waitpid(pid, os.WNOHANG)
+    killed += _sweep(state.temp_dir)
+    with contextlib.suppress(OSError):
+        _path().unlink()
+    return killed
+
+
+def _sweep(temp_dir: str) -> list[int]:
+    """Any process still running from this cluster's temp dir (a worker its raylet did not stop)."""
+    left = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if temp_dir in cmdline:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(int(entry.name), signal.SIGKILL)
+                left.append(int(entry.name))
+    return left
