@@ -359,8 +359,14 @@ def test_log_ranks_all_and_a_failure_summary(cluster, tmp_path, capsys):
 def test_doctor_reports_each_node_and_flags_one_short_of_gpus(cluster, capsys):
     assert main(["doctor", "--address", cluster.address, "--nodes", "2", "--gpus-per-node", "3"]) == 1
     out, err = capsys.readouterr()
-    table = out.split("nodes (3):\n")[1].splitlines()
+    table = out.split("nodes (3):\n")[1].split("links between nodes")[0].splitlines()
     assert len(table) == 4  # header + head node + node A + node B
+    links = out.split("links between nodes (TCP, rendezvous port range):\n")[1].splitlines()
+    assert [row.split()[-3:] for row in links[1:4]] == [
+        ["-", "ok", "ok"],
+        ["ok", "-", "ok"],
+        ["ok", "ok", "-"],
+    ]
     declared = sorted(int(row.split()[5]) for row in table[1:])
     assert declared == [0, 2, 3]
     assert "2 GPU(s), fewer than --gpus-per-node 3: no ranks go here" in err

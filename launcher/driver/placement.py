@@ -133,7 +133,7 @@ def cluster_cannot_grow() -> bool:
 
 NO_AUTOSCALER = (
     "or add a node that can hold a group (`ray start --address HEAD:PORT` on another machine): this "
-    "cluster has no autoscaler, so none comes by itself"
+    "cluster has no autoscaler, so none comes by itself (or wait longer for one with --placement-timeout)"
 )
 
 

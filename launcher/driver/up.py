@@ -114,6 +114,8 @@ def start(nodes: int, gpus_per_node: int, device: str, cpus_per_rank: float = 1.
     gpus = gpus_per_node if device == "gpu" else 0
     env = {k: v for k, v in os.environ.items() if k in NODE_ENV or k.startswith(NODE_ENV_PREFIXES)}
     env.pop("RAY_ADDRESS", None)
+    # Ray 2.60's default for a new head; a worker joining by address needs it said
+    env.setdefault("RAY_AUTH_MODE", "token")
     per_node = ["--num-cpus", str(cpus), "--num-gpus", str(gpus)]
     logs = root / "up.log"
     procs = [
