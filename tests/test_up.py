@@ -93,3 +93,79 @@ def test_up_refuses_simulated_gpu_nodes_in_one_line(env):
     p = megaray(env, "up", "--nodes", "2", "--device", "gpu")
     assert p.returncode == 2 and p.stderr.count("\n") == 1 and "use --device cpu" in p.stderr
     assert not (Path(env["MEGARAY_STATE_DIR"]) / "up.json").exists()
+
+
+PROBE = """
+import atexit, json, os, sys
+import probepkg.helper
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+dist.barrier()
+out, rank = sys.argv[1], os.environ["RANK"]
+seen = {
+    "name": __name__, "argv": sys.argv[1:], "cwd": os.getcwd(), "threads": torch.get_num_threads(),
+    "modules": sorted(k for k in sys.modules if k.split(".")[0] == "probepkg"),
+    "helper_runs": probepkg.helper.RUNS,
+    "env": {k: v for k, v in os.environ.items() if k in (
+        "RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "NODE_RANK", "OMP_NUM_THREADS",
+        "CUDA_VISIBLE_DEVICES", "TORCHELASTIC_RESTART_COUNT", "PWD")},
+}
+atexit.register(lambda: open(os.path.join(out, f"atexit-{rank}"), "w").write("done"))
+json.dump(seen, open(os.path.join(out, f"seen-{rank}.json"), "w"))
+"""
+
+
+def probe_run(env: dict[str, str], tmp_path: Path, name: str) -> tuple[str, list[dict]]:
+    """The probe on 2 ranks; what each rank saw, and the launch's output."""
+    import json
+
+    work = tmp_path / "work"
+    (work / "probepkg").mkdir(parents=True, exist_ok=True)
+    (work / "probepkg" / "__init__.py").write_text("")
+    (work / "probepkg" / "helper.py").write_text("RUNS = globals().get('RUNS', 0) + 1\n")
+    (work / "probe.py").write_text(PROBE)
+    out = tmp_path / name
+    out.mkdir()
+    cmd = [sys.executable, str(REPO / "main.py"), "--device", "cpu", "--gpus-per-node", "2", "--runs-dir",
+           str(tmp_path / "runs"), "probe.py", str(out)]  # fmt: skip
+    p = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert sorted(f.name for f in out.iterdir() if f.name.startswith("atexit")) == ["atexit-0", "atexit-1"]
+    seen = [json.loads((out / f"seen-{r}.json").read_text()) for r in range(2)]
+    for s in seen:
+        assert s["argv"] == [str(out)]
+        s["argv"] = ["<out>"]  # the one thing that differs between the runs compared
+    return p.stderr, seen
+
+
+def test_a_warm_pool_runs_programs_exactly_as_a_cold_start_and_refills(env, tmp_path):
+    try:
+        assert megaray(env, "up", "--gpus-per-node", "2").returncode == 0
+        cold_log, cold = probe_run(env, tmp_path, "cold")
+        assert "taking the warm pool" not in cold_log
+        assert megaray(env, "down").returncode == 0
+        up = megaray(env, "up", "--gpus-per-node", "2", "--warm")
+        assert up.returncode == 0 and "with a warm pool" in up.stderr, up.stderr[-2000:]
+        warm_log, warm = probe_run(env, tmp_path, "warm")
+        assert "taking the warm pool of `megaray up` (2 processes with torch imported)" in warm_log
+        assert warm == cold  # the program cannot tell: __main__, argv, cwd, env, its modules fresh, threads
+        assert warm[0]["modules"] == ["probepkg", "probepkg.helper"] and warm[0]["helper_runs"] == 1
+        again_log, again = probe_run(env, tmp_path, "again")  # the pool was refilled after the last launch
+        assert "taking the warm pool" in again_log and again == cold
+    finally:
+        down = megaray(env, "down")
+    assert down.returncode == 0
+    assert processes_under(env["MEGARAY_STATE_DIR"]) == []
+
+
+def test_an_idle_warm_pool_gives_its_bundles_back(env, tmp_path):
+    import time
+
+    try:
+        assert megaray(env, "up", "--gpus-per-node", "2", "--warm", "--idle-timeout", "2").returncode == 0
+        time.sleep(6)
+        log, seen = probe_run(env, tmp_path, "after-idle")  # places cold: the pool's room is free again
+        assert "the warm pool is not there" in log and len(seen) == 2
+    finally:
+        assert megaray(env, "down").returncode == 0
+    assert processes_under(env["MEGARAY_STATE_DIR"]) == []

@@ -19,6 +19,18 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                        help="ranks per node (default 2)")  # fmt: skip
         p.add_argument("--device", choices=("cpu", "gpu"), default="cpu", help="cpu (default): CPU ranks")
         p.add_argument("--cpus-per-rank", type=float, default=1.0)
+        p.add_argument(
+            "--warm",
+            action="store_true",
+            help="keep a warm pool: one process per rank with torch imported, taken by the next launch of "
+            "this layout and refilled after it",
+        )
+        p.add_argument(
+            "--idle-timeout",
+            type=float,
+            default=1800.0,
+            help="seconds an unclaimed warm pool holds its bundles, then gives them back (default 1800)",
+        )
     return p
 
 
@@ -45,7 +57,12 @@ def main(command: str, argv: list[str]) -> int:
     if standing is not None:
         log.info("`megaray up` is already running at %s; `megaray down` stops it", standing.describe())
         return 0
-    standing = up.start(args.nodes, args.gpus_per_node, args.device, args.cpus_per_rank)
+    from ..driver.pool import fill
+
+    standing = up.start(
+        args.nodes, args.gpus_per_node, args.device, args.cpus_per_rank, args.warm, args.idle_timeout,
+        fill_pool=(lambda s: fill(s, wait=True)) if args.warm else None,
+    )  # fmt: skip
     log.info(
         "started a local Ray at %s; launches without --address or RAY_ADDRESS use it until `megaray down`",
         standing.describe(),

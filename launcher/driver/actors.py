@@ -16,9 +16,19 @@ from .supervise import StopSignal
 
 
 def start_rank_actor(
-    name: str, group: Any, bundle: int, *, job: str, rank: int, node_ip: str, num_cpus: float, num_gpus: float
+    name: str,
+    group: Any,
+    bundle: int,
+    *,
+    job: str,
+    rank: int,
+    node_ip: str,
+    num_cpus: float,
+    num_gpus: float,
+    pooled: dict[str, Any] | None = None,
 ) -> Any:
-    """One RankActor in bundle `bundle` of placement group `group`, named for `ray list actors`."""
+    """One RankActor in bundle `bundle` of placement group `group`, named for `ray list actors`.
+    `pooled`: a warm pool's actor (driver/pool.py), detached, importing as it starts."""
     from ..rank.actor import RankActor
 
     return (
@@ -29,9 +39,10 @@ def start_rank_actor(
             num_cpus=num_cpus,
             num_gpus=num_gpus,
             max_restarts=0,
+            lifetime="detached" if pooled else None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
         )
-        .remote(job, rank, node_ip)
+        .remote(job, rank, node_ip, pooled)
     )
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import ray
 
 from ..core.errors import ClusterError
-from ..core.spec import LaunchSpec
+from ..core.spec import RAY_NAMESPACE, LaunchSpec
 from ..core.target import TargetKind
 from ..core.topology import RankReport
 from ..core.versions import python_version
@@ -23,7 +23,7 @@ from .auth import AUTH_HINT, token_mode
 from .nodeenv import node_environment
 
 log = logging.getLogger("megaray")
-NAMESPACE = "megaray"
+NAMESPACE = RAY_NAMESPACE
 
 
 @dataclass

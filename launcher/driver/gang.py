@@ -106,7 +106,8 @@ class RankGang:
         self.actors: list = []
         self.reports: list[RankReport] = []
         self.replaced_pids: list[int | None] = [None] * spec.world_size
-        self.adopted = False  # the actors are the previous attempt's warm spares
+        self.adopted = False  # the actors are the previous attempt's warm spares, or the warm pool's
+        self.pooled = False  # they are the warm pool's
         self.handles: tuple[RankHandle, ...] = ()
         self.master: tuple[str, int] = ("", 0)
         self.port_reserved: tuple[str, int] | None = None
@@ -142,6 +143,9 @@ class RankGang:
             return
         if self.attempt == 0:
             placement.check_name_free(spec.job_name)
+            if self._take_pool():
+                self.mark("placed")
+                return
         self.groups = placement.place_groups(spec, self.name, self.stop, self.fixed_size)
         self.mark("placed")
         self.slots = assign_ranks(order_nodes(placement.resolve_nodes(self.groups)), spec.gpus_per_node)
@@ -158,6 +162,22 @@ class RankGang:
         self.adopted = True
         return True
 
+    def _take_pool(self) -> bool:
+        """The warm pool of `megaray up --warm`, when this launch's layout is its (driver/pool.py)."""
+        from . import pool
+
+        taken = pool.take(self.spec, self.stop) if self.host is None else None
+        if taken is None:
+            return False
+        self.groups, self.slots, self.actors, self.reports = (
+            taken.groups,
+            taken.slots,
+            taken.actors,
+            taken.reports,
+        )
+        self.adopted = self.pooled = True
+        return True
+
     def _share_host(self) -> bool:
         if self.host is None:
             return False
@@ -171,9 +191,10 @@ class RankGang:
             self.actors, self.reports = self._start_actors()
         self.mark("actors_ready")
         check_versions(self.reports)
-        master = (self.slots[0].node_ip, self._choose_port(self.slots[0].node_ip))
+        port, self.port_reserved = choose_port(self.spec, self.actors[0], self.slots[0].node_ip, self.name)
+        master = (self.slots[0].node_ip, port)
         check_rendezvous(self.actors, self.slots, self.reports, master, self.stop)
-        decisions = self._decide_envs(master)
+        decisions = gang_envs(self.spec, self.slots, self.reports, master, self.attempt, self.profile)
         self.sink = sink
         self.handles = tuple(
             RankHandle(s, a, r, d, old, spool_path(r, self.name, s.rank) if sink is not None else None)
@@ -184,7 +205,12 @@ class RankGang:
         envs = ray.get(
             [
                 h.actor.setup.remote(
-                    h.env.to_set, sink, h.report.gpu_ids if self.adopted else None, h.replaces_pid, h.spool
+                    h.env.to_set,
+                    sink,
+                    h.report.gpu_ids if self.adopted else None,
+                    h.replaces_pid,
+                    h.spool,
+                    h.slot.rank,
                 )
                 for h in self.handles
             ]
@@ -223,44 +249,6 @@ class RankGang:
                 f"a rank actor failed to start: {first_line(e)}; is megaray installed on every node "
                 "with the driver's Python?"
             ) from None
-
-    def _choose_port(self, master_addr: str) -> int:
-        """A port free on the master node (probed there by rank 0), reserved cluster-wide."""
-        spec = self.spec
-        found = ray.get(self.actors[0].free_ports.remote(spec.job_name, 16, spec.master_port))
-        if spec.master_port is not None and not found:
-            raise UsageError(
-                f"--master-port {spec.master_port} is in use on the master node {master_addr}; choose "
-                "another port or leave --master-port out to pick a free one"
-            )
-        port = ports.reserve(master_addr, found, self.name)
-        if port is not None:
-            self.port_reserved = (master_addr, port)  # ours to release at teardown
-            return port
-        if spec.master_port is not None:
-            return spec.master_port  # asked for explicitly: another job's reservation does not bind it
-        raise ResourceError(f"no free port for MASTER_PORT on {master_addr}; pass --master-port")
-
-    def _decide_envs(self, master: tuple[str, int]) -> list[EnvDecision]:
-        spec = self.spec
-        return decide_envs(
-            self.slots,
-            [r.gpu_ids for r in self.reports],
-            [r.inherited_env for r in self.reports],
-            world_size=spec.world_size,
-            local_world_size=spec.gpus_per_node,
-            num_nodes=spec.nodes,
-            master_addr=master[0],
-            master_port=master[1],
-            run_id=spec.job_name,
-            restart_count=self.attempt,
-            max_restarts=spec.max_restarts,
-            profile=self.profile,
-            profile_name=spec.env_profile,
-            overrides=spec.env_overrides,
-            forwarded=dict(spec.forwarded),
-            ifaces=[r.iface for r in self.reports],
-        )
 
     # -- run and watch (the gang side of supervise.py) ---------------------------------------------
     def run(self, target: Target, cwd: str) -> list:
@@ -328,6 +316,49 @@ class RankGang:
             ports.release(*self.port_reserved)
             self.port_reserved = None
         self.mark("torn_down")
+
+
+def choose_port(
+    spec: LaunchSpec, rank0: Any, master_addr: str, name: str
+) -> tuple[int, tuple[str, int] | None]:
+    """A port free on the master node (probed there by rank 0), reserved cluster-wide; and the
+    reservation to release at teardown (None when the port was asked for and is another's)."""
+    found = ray.get(rank0.free_ports.remote(spec.job_name, 16, spec.master_port))
+    if spec.master_port is not None and not found:
+        raise UsageError(
+            f"--master-port {spec.master_port} is in use on the master node {master_addr}; choose "
+            "another port or leave --master-port out to pick a free one"
+        )
+    port = ports.reserve(master_addr, found, name)
+    if port is not None:
+        return port, (master_addr, port)
+    if spec.master_port is not None:
+        return spec.master_port, None  # asked for explicitly: another job's reservation does not bind it
+    raise ResourceError(f"no free port for MASTER_PORT on {master_addr}; pass --master-port")
+
+
+def gang_envs(
+    spec: LaunchSpec, slots: list[RankSlot], reports: list[RankReport], master: tuple[str, int], attempt: int,
+    profile: dict[str, str],
+) -> list[EnvDecision]:  # fmt: skip
+    return decide_envs(
+        slots,
+        [r.gpu_ids for r in reports],
+        [r.inherited_env for r in reports],
+        world_size=spec.world_size,
+        local_world_size=spec.gpus_per_node,
+        num_nodes=spec.nodes,
+        master_addr=master[0],
+        master_port=master[1],
+        run_id=spec.job_name,
+        restart_count=attempt,
+        max_restarts=spec.max_restarts,
+        profile=profile,
+        profile_name=spec.env_profile,
+        overrides=spec.env_overrides,
+        forwarded=dict(spec.forwarded),
+        ifaces=[r.iface for r in reports],
+    )
 
 
 def log_topology(ranks: tuple[RankInfo, ...], master: tuple[str, int]) -> None:

@@ -96,7 +96,12 @@ def _launch(spec: LaunchSpec) -> LaunchResult:
                 attempts.append(attempt)
                 return attempt
 
-            result = run_attempts(spec.max_restarts, new_attempt, restarts, spec.placement_timeout_s)
+            try:
+                result = run_attempts(spec.max_restarts, new_attempt, restarts, spec.placement_timeout_s)
+            finally:
+                from .pool import refill
+
+                refill()
         outcome = {"status": "succeeded", "exit_code": 0, "root_cause": None}
         return result
     except RankFailedError as e:

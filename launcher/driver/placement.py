@@ -90,12 +90,16 @@ def check_name_free(job: str) -> None:
         )
 
 
-def create_groups(spec: LaunchSpec, name: str | None = None) -> list[PlacementGroup]:
+def create_groups(spec: LaunchSpec, name: str | None = None, detached: bool = False) -> list[PlacementGroup]:
     """All groups are requested before any is waited on, so they are scheduled together."""
-    return [create_group(spec, f"{name or spec.job_name}-node{i}") for i in range(spec.nodes)]
+    return [
+        create_group(spec, f"{name or spec.job_name}-node{i}", detached=detached) for i in range(spec.nodes)
+    ]
 
 
-def create_group(spec: LaunchSpec, name: str, exclude_nodes: list[str] = ()) -> PlacementGroup:
+def create_group(
+    spec: LaunchSpec, name: str, exclude_nodes: list[str] = (), detached: bool = False
+) -> PlacementGroup:
     """One node's group: a bundle per rank, all on one node, none of `exclude_nodes` (Ray node ids)."""
     bundle = bundle_for(spec)
     selector = (
@@ -106,6 +110,7 @@ def create_group(spec: LaunchSpec, name: str, exclude_nodes: list[str] = ()) -> 
         strategy="STRICT_PACK",
         name=name,
         bundle_label_selector=selector,
+        lifetime="detached" if detached else None,
     )
 
 
@@ -137,7 +142,9 @@ NO_AUTOSCALER = (
 )
 
 
-def place_groups(spec: LaunchSpec, name: str, stop: StopSignal, fixed_size: bool) -> list[PlacementGroup]:
+def place_groups(
+    spec: LaunchSpec, name: str, stop: StopSignal, fixed_size: bool, detached: bool = False
+) -> list[PlacementGroup]:
     """One group per node, each on a Ray node of its own, waited for up to --placement-timeout.
 
     All groups are requested at once, so that they are scheduled together; Ray keeps no two
@@ -161,13 +168,15 @@ def place_groups(spec: LaunchSpec, name: str, stop: StopSignal, fixed_size: bool
         log.warning("%s; waiting up to %gs for more nodes", problem, spec.placement_timeout_s)
     before = describe_nodes()  # what others left free, for the message if we time out
     deadline = time.monotonic() + spec.placement_timeout_s
-    groups = create_groups(spec, name)
+    groups = create_groups(spec, name, detached)
     try:
         _wait_placed(groups, deadline, stop)
         while (shared := first_repeat(nodes := [node_of(g) for g in groups])) is not None:
             remove_groups([groups[shared]])
             others = nodes[:shared] + nodes[shared + 1 :]
-            groups[shared] = create_group(spec, f"{name}-node{shared}", exclude_nodes=others)
+            groups[shared] = create_group(
+                spec, f"{name}-node{shared}", exclude_nodes=others, detached=detached
+            )
             _wait_placed(groups, deadline, stop)
     except _NotPlaced as e:
         remove_groups(groups)

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -50,10 +51,14 @@ class Standing:
     pids: tuple[int, ...]  # the `ray start --block` processes, head first
     temp_dir: str
     started_at: float
+    cpus_per_rank: float = 1.0
+    warm: bool = False  # holds a warm pool (driver/pool.py)
+    idle_timeout_s: float = 0.0  # the pool gives its bundles back after this long unclaimed
 
     def describe(self) -> str:
         unit = "GPUs" if self.device == "gpu" else "CPU ranks"
-        return f"{self.address} ({self.nodes} node(s) x {self.gpus_per_node} {unit})"
+        pool = ", with a warm pool" if self.warm else ""
+        return f"{self.address} ({self.nodes} node(s) x {self.gpus_per_node} {unit}{pool})"
 
 
 def _path() -> Path:
@@ -100,10 +105,15 @@ def _start_node(args: list[str], log_path: Path, env: dict[str, str]) -> subproc
         return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
 
-def start(nodes: int, gpus_per_node: int, device: str, cpus_per_rank: float = 1.0) -> Standing:
-    """Start the cluster and wait until every node has registered."""
+def start(
+    nodes: int, gpus_per_node: int, device: str, cpus_per_rank: float = 1.0, warm: bool = False,
+    idle_timeout_s: float = 0.0, fill_pool: Callable[[Standing], None] | None = None,
+) -> Standing:  # fmt: skip
+    """Start the cluster and wait until every node has registered; then, connected, `fill_pool`
+    (driver/pool.py) starts the warm pool when `warm`."""
     import ray
 
+    from ..core.spec import RAY_NAMESPACE as NAMESPACE
     from .auth import token_mode
     from .nodeenv import NODE_ENV, NODE_ENV_PREFIXES
 
@@ -126,16 +136,22 @@ def start(nodes: int, gpus_per_node: int, device: str, cpus_per_rank: float = 1.
         )
     ]  # fmt: skip
     address = f"127.0.0.1:{port}"
-    state = Standing(address, nodes, gpus_per_node, device, (procs[0].pid,), str(temp_dir), time.time())
+    state = Standing(
+        address, nodes, gpus_per_node, device, (procs[0].pid,), str(temp_dir), time.time(),
+        cpus_per_rank, warm, idle_timeout_s,
+    )  # fmt: skip
     try:
         _wait(lambda: _reachable(address), procs[0], logs)
         with token_mode(address):
-            ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
+            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
             try:
                 for _ in range(nodes - 1):  # one at a time: raylets registering together time out on 2 cores
                     before = _count_alive()
                     procs.append(_start_node(["--address", address, *per_node], logs, env))
                     _wait(lambda b=before: _count_alive() > b, procs[-1], logs)
+                state = dataclasses.replace(state, pids=tuple(p.pid for p in procs))
+                if fill_pool is not None:
+                    fill_pool(state)
             finally:
                 ray.shutdown()
     except BaseException:
@@ -194,9 +210,22 @@ def stop(state: Standing, wait_s: float = 30.0) -> list[int]:
     return killed
 
 
-def _sweep(temp_dir: str) -> list[int]:
-    """Any process still running from this cluster's temp dir (a worker its raylet did not stop)."""
+def _sweep(temp_dir: str, grace_s: float = 10.0) -> list[int]:
+    """Any process still running from this cluster's temp dir `grace_s` after its node stopped (a
+    worker its raylet did not stop), killed."""
+    deadline = time.monotonic() + grace_s
+    while _under(temp_dir) and time.monotonic() < deadline:
+        time.sleep(0.2)
     left = []
+    for pid in _under(temp_dir):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+            left.append(pid)
+    return left
+
+
+def _under(temp_dir: str) -> list[int]:
+    found = []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
@@ -204,8 +233,6 @@ def _sweep(temp_dir: str) -> list[int]:
             cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
         except OSError:
             continue
-        if temp_dir in cmdline:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.kill(int(entry.name), signal.SIGKILL)
-                left.append(int(entry.name))
-    return left
+        if temp_dir in cmdline and _alive(int(entry.name)):
+            found.append(int(entry.name))
+    return found

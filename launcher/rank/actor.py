@@ -41,14 +41,20 @@ _THIS_FILE = str(Path(__file__).resolve())
 class RankActor:
     """One rank. Ray uses `__repr__` as the log prefix, so output reads `(rank3@10.0.0.9/gpu1 ...)`."""
 
-    def __init__(self, job: str, rank: int, node_ip: str):
+    def __init__(self, job: str, rank: int, node_ip: str, pooled: dict[str, Any] | None = None):
         self.job = job
         self.rank = rank
-        self.node_ip = node_ip
+        self.node_ip = node_ip or ray.util.get_node_ip_address()
         ctx = ray.get_runtime_context()
         self.gpu_ids = [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])]
         self.node_id = ctx.get_node_id()
         self.capture = None
+        self.claimed_by: str | None = None
+        if pooled:  # a warm pool's process (driver/pool.py): import now, give the bundle back when idle
+            from .warmup import expire_when_idle, warm
+
+            self.warmed = warm(pooled["env"], tuple(pooled["steps"]))
+            expire_when_idle(self, pooled["group"], pooled["idle_timeout_s"])
         self.atexit_before = atexit._ncallbacks()
 
     def __repr__(self) -> str:
@@ -84,6 +90,13 @@ class RankActor:
                     break
         return found
 
+    def claim(self, job: str) -> bool:
+        """A launch takes this warm pool process; only the first asking gets it."""
+        if self.claimed_by is not None:
+            return False
+        self.claimed_by = self.job = job
+        return True
+
     def open_rendezvous(self, port: int) -> None:
         """On the master rank: listen on MASTER_PORT for the other ranks' reachability probe."""
         from .links import Listener
@@ -114,6 +127,7 @@ class RankActor:
         gpu_ids: tuple[str, ...] | None = None,
         replaces_pid: int | None = None,
         spool: str | None = None,
+        rank: int | None = None,
     ) -> dict[str, str]:
         """Apply the rank's env before any framework is imported, and send this process's output to
         `sink` (a launch's OutputSink, driver/relay.py) from here on, through the file `spool` on this
@@ -123,6 +137,8 @@ class RankActor:
         does) and first waits for the old rank's process (`replaces_pid`, on this node) to be gone,
         so that its GPU memory is free before this one uses the GPU.
         """
+        if rank is not None:  # a warm pool's process learns its rank now
+            self.rank = rank
         if gpu_ids is not None:
             self.gpu_ids = list(gpu_ids)
         if replaces_pid is not None:

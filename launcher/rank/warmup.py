@@ -7,6 +7,7 @@ import contextlib
 import importlib
 import os
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
@@ -60,3 +61,23 @@ def warm(env: dict[str, str], steps: tuple[str, ...]) -> dict[str, Any]:
         "failed": failed,
         "cuda_initialized": bool(torch is not None and torch.cuda.is_initialized()),
     }
+
+
+def expire_when_idle(actor: Any, group_name: str, idle_timeout_s: float) -> None:
+    """A warm pool's process holds its bundle (GPUs too) for `idle_timeout_s` unless a launch claims
+    it; then its placement group is removed, which ends every process of the pool on that node."""
+    if not idle_timeout_s:
+        return
+
+    def expire() -> None:
+        time.sleep(idle_timeout_s)
+        if actor.claimed_by is None:
+            import ray
+            from ray.util import get_placement_group, remove_placement_group
+
+            with contextlib.suppress(Exception):
+                remove_placement_group(get_placement_group(group_name))
+            with contextlib.suppress(Exception):
+                ray.actor.exit_actor()
+
+    threading.Thread(target=expire, name="megaray-pool-idle", daemon=True).start()
