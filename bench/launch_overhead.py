@@ -18,7 +18,7 @@ from pathlib import Path
 from common import PY, REPO, clean_env, median, ray_cluster, summary, timed
 
 TARGET = str(REPO / "bench" / "barrier.py")
-MODES = ("torchrun", "megaray-attached", "megaray-up", "megaray-own-ray")
+MODES = ("torchrun", "megaray-attached", "megaray-up", "megaray-up-warm", "megaray-own-ray")
 
 
 def one(cmd: list[str], ranks: int) -> tuple[float, float]:
@@ -40,11 +40,11 @@ def one(cmd: list[str], ranks: int) -> tuple[float, float]:
 
 
 @contextlib.contextmanager
-def megaray_up(ranks: int):
+def megaray_up(ranks: int, *extra: str):
     """`megaray up` for the run, in a state folder of its own (the other modes do not see it)."""
     state = tempfile.mkdtemp(prefix="mrb-", dir="/tmp")
     env = {**clean_env(), "MEGARAY_STATE_DIR": state}
-    up = [PY, str(REPO / "main.py"), "up", "--nodes", "1", "--gpus-per-node", str(ranks)]
+    up = [PY, str(REPO / "main.py"), "up", "--nodes", "1", "--gpus-per-node", str(ranks), *extra]
     p = subprocess.run(up, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     if p.returncode != 0:
         raise RuntimeError(f"megaray up failed:\n{p.stderr[-3000:]}")
@@ -57,37 +57,61 @@ def megaray_up(ranks: int):
         shutil.rmtree(state, ignore_errors=True)
 
 
+def measure(n: int, wanted: list[str], repeats: int, address: str, state: str, warm: str) -> dict:
+    megaray = [
+        PY,
+        str(REPO / "main.py"),
+        "--device",
+        "cpu",
+        "--cpus-per-rank",
+        "0.1",
+        "--gpus-per-node",
+        str(n),
+    ]
+    modes = {
+        "torchrun": [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)],
+        "megaray-attached": [*megaray, "--address", address],
+        "megaray-up": ["env", f"MEGARAY_STATE_DIR={state}", *megaray],
+        "megaray-up-warm": ["env", f"MEGARAY_STATE_DIR={warm}", *megaray],
+        "megaray-own-ray": megaray,
+    }
+    modes = {m: cmd for m, cmd in modes.items() if m in wanted}
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    cpus: dict[str, list[float]] = {m: [] for m in modes}
+    for _ in range(repeats):
+        for mode, cmd in modes.items():  # interleaved, so drift on a shared machine hits all
+            seconds, cpu = one(cmd, n)
+            times[mode].append(seconds)
+            cpus[mode].append(cpu)
+    base = median(times["torchrun"])
+    print(f"{n} ranks:", flush=True)
+    for mode, ts in times.items():
+        diff = (
+            ""
+            if mode == "torchrun"
+            else f"  {median(ts) - base:+.2f} s vs torchrun ({median(ts) / base:.2f}x)"
+        )
+        cpu = f"; a rank's CPU by the barrier {median(cpus[mode]):.2f} s"
+        print(f"  {mode:17s} {summary(ts)} s{diff}{cpu}", flush=True)
+    return {m: {"seconds": times[m], "rank_cpu": cpus[m]} for m in modes}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     args = parser.parse_args(argv)
-    megaray = [PY, str(REPO / "main.py"), "--device", "cpu", "--cpus-per-rank", "0.1"]
     results: dict = {}
     with ray_cluster(nodes=1, cpus_per_node=max(args.ranks)) as address, megaray_up(max(args.ranks)) as state:
         for n in args.ranks:
-            modes = {
-                "torchrun": [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)],
-                "megaray-attached": [*megaray, "--address", address, "--gpus-per-node", str(n)],
-                "megaray-up": ["env", f"MEGARAY_STATE_DIR={state}", *megaray, "--gpus-per-node", str(n)],
-                "megaray-own-ray": [*megaray, "--gpus-per-node", str(n)],
-            }
-            modes = {m: cmd for m, cmd in modes.items() if m in args.modes}
-            times: dict[str, list[float]] = {m: [] for m in modes}
-            cpus: dict[str, list[float]] = {m: [] for m in modes}
-            for _ in range(args.repeats):
-                for mode, cmd in modes.items():  # interleaved, so drift on a shared machine hits all
-                    seconds, cpu = one(cmd, n)
-                    times[mode].append(seconds)
-                    cpus[mode].append(cpu)
-            results[n] = {m: {"seconds": times[m], "rank_cpu": cpus[m]} for m in modes}
-            base = median(times["torchrun"])
-            print(f"{n} ranks:", flush=True)
-            for mode, ts in times.items():
-                diff = "" if mode == "torchrun" else f"  {median(ts) - base:+.2f} s vs torchrun"
-                cpu = f"; a rank's CPU by the barrier {median(cpus[mode]):.2f} s"
-                print(f"  {mode:17s} {summary(ts)} s{diff}{cpu}", flush=True)
+            # a warm pool holds one layout: a `megaray up --warm` for each rank count in turn
+            with (
+                megaray_up(n, "--warm")
+                if "megaray-up-warm" in args.modes
+                else contextlib.nullcontext("") as warm
+            ):
+                results[n] = measure(n, args.modes, args.repeats, address, state, warm)
     return results
 
 
