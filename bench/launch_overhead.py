@@ -103,7 +103,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     args = parser.parse_args(argv)
     results: dict = {}
-    with ray_cluster(nodes=1, cpus_per_node=max(args.ranks)) as address, megaray_up(max(args.ranks)) as state:
+    up = megaray_up(max(args.ranks)) if "megaray-up" in args.modes else contextlib.nullcontext("")
+    with ray_cluster(nodes=1, cpus_per_node=max(args.ranks)) as address, up as state:
         for n in args.ranks:
             # a warm pool holds one layout: a `megaray up --warm` for each rank count in turn
             with (

@@ -57,6 +57,20 @@ def test_an_unchanged_gloo_program_runs_across_three_machines_in_numeric_ip_orde
     assert out.count("sum=3 expected=3") == 3
 
 
+def test_submit_runs_a_job_through_the_head_s_dashboard_on_its_namespace_ip(machines):
+    # The driver runs as a Ray job on the head (10.77.0.10); its ranks land on all three machines.
+    dashboard = "http://" + machines.replace(":36500", ":36501")
+    env = {k: v for k, v in _env().items() if k != "RAY_AUTH_MODE"}  # megaray finds the token itself
+    cmd = [sys.executable, "main.py", "submit", "--address", dashboard, "--", "--job-name", "nssubmit",
+           "--device", "cpu", "--nodes", "3", "--dry-run"]  # fmt: skip
+    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-4000:]
+    assert "job nssubmit SUCCEEDED" in p.stderr and "MASTER_ADDR=10.77.0.9" in out
+    assert "dry run passed: 3 ranks on 3 node(s)" in out
+    assert _left_on_the_cluster(dashboard, "nssubmit") == "[] []"
+
+
 def test_a_node_that_cannot_reach_another_is_named_by_the_doctor_and_at_launch(machines, tmp_path):
     # Machine 2 (10.77.0.11) drops what it sends to machine 1 (10.77.0.9, rank 0's): a firewall between
     # two workers. Ray's own traffic goes through the head (10.77.0.10) and keeps working.

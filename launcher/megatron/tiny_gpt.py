@@ -206,5 +206,5 @@ def _train(steps, seq, vocab, hidden, heads, layers, micro_batch, microbatches, 
         if ckpt and (step + 1) % ckpt.every == 0 and step + 1 < steps:
             state = {"model": ddp.state_dict(), "optimizer": optimizer.state_dict(), "data": gen.get_state()}
             ckpt.save(step + 1, rank, state)
-    return {"rank": rank, "tp": tp, "pp": pp, "dp": dp, "losses": losses or None, "first_iteration": first,
-            "iterations": steps}  # fmt: skip
+    return {"rank": rank, "tp": tp, "pp": pp, "dp": dp, "dp_rank": dp_rank, "losses": losses or None,
+            "first_iteration": first, "iterations": steps}  # fmt: skip
