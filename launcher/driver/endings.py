@@ -116,11 +116,8 @@ def last_words(
         ray.remote(ship).options(**on_node(node)).remote(sink, _spools(hs), True)
         for node, hs in _by_node(tuple(rest)).items()
     ]
-    ready, _ = ray.wait(
-        [r for r in salvaging.values() if r is not None] + refs,
-        num_returns=len(refs) + sum(r is not None for r in salvaging.values()),
-        timeout=SALVAGE_WAIT_S,
-    )
+    pending = [r for r in salvaging.values() if r is not None] + refs
+    ready, _ = ray.wait(pending, num_returns=len(pending), timeout=SALVAGE_WAIT_S)
     if error is None:
         return
     amended = []

@@ -61,11 +61,8 @@ def reach(host: str, port: int, timeout_s: float) -> str | None:
         except TimeoutError:
             last = f"no answer within {timeout_s:g} s (a firewall, or a route that goes nowhere)"
         except OSError as e:
-            if e.errno == errno.ECONNREFUSED:  # not listening yet: the listener starts first, so no
-                last = "connection refused"
-                time.sleep(0.05)
-                continue
-            last = e.strerror or str(e)
+            # refused: nothing listens on the port from here (a firewall's reject, or the wrong host)
+            last = "connection refused" if e.errno == errno.ECONNREFUSED else (e.strerror or str(e))
             time.sleep(0.05)
     return last
 
