@@ -35,10 +35,8 @@ def main(argv: list[str]) -> int:
     if args.name:
         return show(args)
     rows = [["name", "family", "kind", "gpus", "layout", "hf model"]]
-    rows += [
-        [name, "megaray", "", "", "", load_recipe(name).function.rsplit(":", 1)[1]]
-        for name in available_recipes()
-    ]
+    files = [load_recipe(name) for name in available_recipes()]
+    rows += [[r.name, "(file)", r.kind or "-", "-", "-", r.hf_model or "-"] for r in files]
     listed = [
         r
         for r in bridge_recipes()
@@ -70,7 +68,7 @@ def describe_data(dataset) -> str:
 
 def show(args: argparse.Namespace) -> int:
     from ..core.catalog import find
-    from ..megatron.bridge_target import build_config
+    from ..megatron.bridge_target import build_config, te_adapted
     from ..megatron.memory import estimate
 
     recipe = load_recipe(args.name)
@@ -98,7 +96,7 @@ def show(args: argparse.Namespace) -> int:
         ["data", describe_data(cfg.dataset)],
     ]
     try:
-        est = estimate(cfg, world, any("no TransformerEngine here: transformer_impl" in n for n in notes))
+        est = estimate(cfg, world, te_adapted(notes))
         rows.append([f"memory ({args.nodes}x{gpus} GPUs)", est.describe()])
     except Exception as e:
         rows.append(["memory", f"no estimate ({' '.join(str(e).split())[:120]})"])

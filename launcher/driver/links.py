@@ -9,16 +9,12 @@ interfaces. One probe per node: ranks of a node share its routes.
 
 from __future__ import annotations
 
-import logging
-
 import ray
 
 from ..core.errors import ClusterError
 from ..core.topology import RankReport, RankSlot
 from .actors import wait_all
 from .supervise import StopSignal
-
-log = logging.getLogger("megaray")
 
 REACH_TIMEOUT_S = 5.0
 

@@ -13,7 +13,7 @@ An idle pool gives its bundles (GPUs included) back after `--idle-timeout`.
 
 from __future__ import annotations
 
-import importlib.util
+import contextlib
 import logging
 from dataclasses import dataclass, replace
 
@@ -25,6 +25,7 @@ from ..core.topology import RankReport, RankSlot, assign_ranks, order_nodes
 from . import placement
 from .actors import start_rank_actor, wait_all
 from .cluster import NAMESPACE
+from .spares import warm_steps
 from .supervise import StopSignal
 from .up import Standing, running
 
@@ -32,14 +33,6 @@ log = logging.getLogger("megaray")
 
 POOL = "megaray-pool"
 POOL_READY_S = 120.0  # a pool still importing (just refilled) is waited for this long, then skipped
-
-
-def steps() -> tuple[str, ...]:
-    """What the pool imports: torch, and the Megatron dry run's stack where megatron-core is here."""
-    from .spares import DRY_RUN_IMPORTS
-
-    megatron = importlib.util.find_spec("megatron") is not None and importlib.util.find_spec("megatron.core")
-    return ("torch", "torch.distributed", *(DRY_RUN_IMPORTS if megatron else ()))
 
 
 def _spec(s: Standing) -> LaunchSpec:
@@ -54,7 +47,7 @@ def fill(s: Standing, wait: bool) -> None:
     spec = _spec(s)
     groups = placement.place_groups(spec, POOL, StopSignal(), fixed_size=True, detached=True)
     env = {"OMP_NUM_THREADS": "1"} if s.gpus_per_node > 1 else {}  # what ranks get, before torch loads
-    imports, idle = steps(), s.idle_timeout_s
+    imports, idle = warm_steps(DRY_RUN_TARGET), s.idle_timeout_s  # megatron's are skipped if absent
     actors = [
         start_rank_actor(
             f"{POOL}-g{g}b{b}", group, b, job=POOL, rank=g * s.gpus_per_node + b, node_ip="",
@@ -91,14 +84,16 @@ def take(spec: LaunchSpec, stop: StopSignal) -> Taken | None:
                 s.describe(),
             )
         return None
+    groups = _groups(s)
     try:
-        groups = [ray.util.get_placement_group(f"{POOL}-node{i}") for i in range(s.nodes)]
         by_bundle = {
             (g, b): ray.get_actor(f"{POOL}-g{g}b{b}", namespace=NAMESPACE)
             for g in range(s.nodes)
             for b in range(s.gpus_per_node)
         }
-    except ValueError:
+    except ValueError:  # an actor is gone
+        by_bundle = None
+    if by_bundle is None or len(groups) < s.nodes:
         give_back(s)  # a part of it, if any: this launch needs the room
         log.info("the warm pool is not there (given back when idle, or in use): this launch starts cold")
         return None
@@ -115,32 +110,27 @@ def take(spec: LaunchSpec, stop: StopSignal) -> Taken | None:
     )
 
 
-def give_back(s: Standing) -> bool:
-    """Remove the pool's groups (which ends its processes); whether there was any."""
-    found = False
+def _groups(s: Standing) -> list:
+    """The pool's placement groups that exist, by node."""
+    found = []
     for i in range(s.nodes):
-        try:
-            ray.util.remove_placement_group(ray.util.get_placement_group(f"{POOL}-node{i}"))
-            found = True
-        except ValueError:
-            pass
+        with contextlib.suppress(ValueError):
+            found.append(ray.util.get_placement_group(f"{POOL}-node{i}"))
     return found
 
 
-def _present(s: Standing) -> bool:
-    try:
-        for i in range(s.nodes):
-            ray.util.get_placement_group(f"{POOL}-node{i}")
-        return True
-    except ValueError:
-        return False
+def give_back(s: Standing) -> bool:
+    """Remove the pool's groups (which ends its processes); whether there was any."""
+    groups = _groups(s)
+    placement.remove_groups(groups)
+    return bool(groups)
 
 
 def refill() -> None:
     """At the end of a launch on a `megaray up --warm` cluster without its pool (taken, given back
     for another layout, or idle): the next one, started in the background (it is detached)."""
     s = running()
-    if s is None or not s.warm or _present(s):
+    if s is None or not s.warm or len(_groups(s)) == s.nodes:
         return
     try:
         fill(s, wait=False)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.errors import ClusterError
+from ..rank.probes import process_state
 
 log = logging.getLogger("megaray")
 
@@ -66,15 +67,7 @@ def _path() -> Path:
 
 
 def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    with contextlib.suppress(OSError):  # a zombie left by a parent that has not reaped it
-        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] != "Z"
-    return True
+    return process_state(pid) not in (None, "Z")  # a zombie is not running
 
 
 def running() -> Standing | None:

@@ -106,6 +106,12 @@ def build_config(recipe: Recipe, overrides: list[str], hf_path: str | None = Non
     return cfg, notes
 
 
+def te_adapted(notes: list[str]) -> bool:
+    """Whether build_config switched a recipe that asks for TransformerEngine to the local spec,
+    because this machine has no TE (the ranks are expected to have it)."""
+    return any(n.startswith("no TransformerEngine here: transformer_impl") for n in notes)
+
+
 def hf_config_problem(repo: str) -> str | None:
     """Why `repo`'s config.json cannot be had here, or None: bridge's recipes fetch it, and offline
     they retry for minutes before a long traceback."""

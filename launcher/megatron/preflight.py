@@ -58,7 +58,7 @@ def preflight(spec: LaunchSpec) -> Plan | None:
     dp = spec.world_size // (layout.tp * layout.pp * layout.cp)
     for note in notes:
         log.info("preflight: %s", note)
-    from .bridge_target import finetune_problem
+    from .bridge_target import finetune_problem, te_adapted
 
     if problem := finetune_problem(target.recipe, cfg):
         raise UsageError(problem)
@@ -68,9 +68,7 @@ def preflight(spec: LaunchSpec) -> Plan | None:
             "paths: put the data on a shared filesystem, or at the same path on every node)"
         )
     if spec.uses_gpus:
-        check_memory(
-            spec, cfg, te_adapted=any("no TransformerEngine here: transformer_impl" in n for n in notes)
-        )
+        check_memory(spec, cfg, te_adapted=te_adapted(notes))
     log.info(
         "preflight: %s, DP %d fits %d rank(s) (%.1f s)",
         layout.describe(),

@@ -34,7 +34,7 @@ class Capture:
     def __init__(self, sink: Any, rank: int, spool: str):
         global _current
         _current = self
-        self.sink, self.rank, self.spool = sink, rank, spool
+        self.sink, self.rank = sink, rank
         self.last_ref = None
         self.sent = 0  # bytes of the spool sent to the sink
         sys.stdout.flush()
