@@ -18,50 +18,56 @@ from .compat import installed
 
 
 def check_and_train(*args: str) -> dict[str, Any]:
+    """One process group for the check and the training: a second init_process_group on the same
+    MASTER_PORT can read the first group's addresses from the store (its keys restart at the same
+    names) and connect to a rank's closed socket (gloo's "Broken pipe")."""
+    import torch.distributed as dist
+
     options = parse_dry_run_options(args)
-    result = check()
-    if installed("megatron.core"):
-        from .tiny_gpt import train
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    try:
+        result = check()
+        if installed("megatron.core"):
+            from .tiny_gpt import train
 
-        result["training"] = train(**options)
-    else:
-        result["training"] = None
-    return result
+            result["training"] = train(**options)
+        else:
+            result["training"] = None
+        return result
+    finally:
+        dist.destroy_process_group()
 
 
-def check(timeout_s: float = 60.0) -> dict[str, Any]:
+def check() -> dict[str, Any]:
+    """Runs in the caller's process group (env:// init), which it leaves open."""
     import torch
     import torch.distributed as dist
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
-    try:
-        if dist.get_rank() != rank or dist.get_world_size() != world:
-            raise RuntimeError(
-                f"process group says rank {dist.get_rank()} of {dist.get_world_size()}, "
-                f"env says RANK={rank} WORLD_SIZE={world}"
-            )
-        total = torch.ones(1)
-        dist.all_reduce(total)
-        if int(total.item()) != world:
-            raise RuntimeError(f"all-reduce of ones gave {total.item()}, expected {world}")
-        mine = {
-            "rank": rank,
-            "world_size": world,
-            "local_rank": int(os.environ["LOCAL_RANK"]),
-            "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]),
-            "node_rank": int(os.environ["GROUP_RANK"]),
-            "host": socket.gethostname(),
-            "master": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
-            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
-        }
-        views: list[dict[str, Any]] = [{} for _ in range(world)]
-        dist.all_gather_object(views, mine)
-        _check_views(views)
-        dist.barrier()
-        return {**mine, "all_reduce": int(total.item())}
-    finally:
-        dist.destroy_process_group()
+    if dist.get_rank() != rank or dist.get_world_size() != world:
+        raise RuntimeError(
+            f"process group says rank {dist.get_rank()} of {dist.get_world_size()}, "
+            f"env says RANK={rank} WORLD_SIZE={world}"
+        )
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    if int(total.item()) != world:
+        raise RuntimeError(f"all-reduce of ones gave {total.item()}, expected {world}")
+    mine = {
+        "rank": rank,
+        "world_size": world,
+        "local_rank": int(os.environ["LOCAL_RANK"]),
+        "local_world_size": int(os.environ["LOCAL_WORLD_SIZE"]),
+        "node_rank": int(os.environ["GROUP_RANK"]),
+        "host": socket.gethostname(),
+        "master": f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}",
+        "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES", ""),
+    }
+    views: list[dict[str, Any]] = [{} for _ in range(world)]
+    dist.all_gather_object(views, mine)
+    _check_views(views)
+    dist.barrier()
+    return {**mine, "all_reduce": int(total.item())}
 
 
 def _check_views(views: list[dict[str, Any]]) -> None:

@@ -40,7 +40,9 @@ def train(
     import torch
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    owned = not dist.is_initialized()  # the dry run hands over the group its check ran in
+    if owned:
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     try:
         ckpt = Checkpoints(save, save_every) if save else None
         return _train(steps, seq, vocab, hidden, heads, layers, micro_batch, microbatches, lr, ckpt)
@@ -48,7 +50,8 @@ def train(
         from megatron.core import parallel_state
 
         parallel_state.destroy_model_parallel()
-        dist.destroy_process_group()
+        if owned:
+            dist.destroy_process_group()
         del torch
 
 
