@@ -256,6 +256,39 @@ def test_secrets_reach_the_ranks_and_no_file_or_console(cluster, tmp_path):
         assert "hunter2" not in f.read_text(), f
 
 
+def megaray(cluster: RayStartCluster, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in cluster.env.items() if k != "RAY_AUTH_MODE"}
+    return subprocess.run([sys.executable, "main.py", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=240)  # fmt: skip
+
+
+def test_a_warm_pool_on_the_cluster_is_taken_by_a_launch_there_refilled_and_given_back(cluster, tmp_path):
+    gcs = cluster.gcs
+    up = megaray(cluster, "up", "--warm", "--address", gcs, "--device", "cpu", *LAYOUT)
+    assert up.returncode == 0, up.stderr[-3000:]
+    assert f"a warm pool of 2 node(s) x 2 CPU ranks is ready at {gcs}" in up.stderr
+    listed = megaray(cluster, "list", "--address", gcs)
+    assert f"warm pool at {gcs}: 2 node(s) x 2 CPU ranks, ready: 4 process(es)" in listed.stdout, listed
+    out = tmp_path / "out"
+    out.mkdir()
+    code, text = run(cluster, ["--job-name", "rs-pool", *LAYOUT, "--runs-dir", str(tmp_path / "runs"),
+                               script(tmp_path, "x.py", EXIT_HANDLERS), str(out)])  # fmt: skip
+    assert code == 0, text[-3000:]
+    assert "taking the warm pool (4 processes with torch imported)" in text
+    assert "[r0 n0] rank 0 of 4 on node 0: sum 4" in text and len(list(out.iterdir())) == 8
+    assert cluster.alive("rs-pool") == ([], [])
+    listed = megaray(cluster, "list", "--address", gcs)  # refilled at the end of the launch
+    assert re.search(r"2 CPU ranks, (ready: 4|importing: \d of 4)", listed.stdout), listed
+    down = megaray(cluster, "down", "--address", gcs)
+    assert (
+        down.returncode == 0 and f"gave back the warm pool of 2 node(s) x 2 CPU ranks at {gcs}" in down.stderr
+    )
+    assert cluster.alive("megaray-pool") == ([], [])
+    assert (
+        "warm pool at" in (listed := megaray(cluster, "list", "--address", gcs).stdout) and ": none" in listed
+    )
+
+
 def test_a_node_that_goes_away_is_named(cluster, tmp_path):
     """Last: it stops the worker node."""
     runs = tmp_path / "runs"

@@ -148,8 +148,14 @@ def test_a_warm_pool_runs_programs_as_a_cold_start_refills_and_gives_back_when_i
         assert megaray(env, "down").returncode == 0
         up = megaray(env, "up", "--gpus-per-node", "2", "--warm", "--idle-timeout", "25")
         assert up.returncode == 0 and "with a warm pool" in up.stderr, up.stderr[-2000:]
+        listed = megaray(env, "list")
+        assert re.search(
+            r"megaray up: 127\.0\.0\.1:\d+ \(1 node\(s\) x 2 CPU ranks\), up 0 min", listed.stdout
+        )
+        assert re.search(r"warm pool at 127\.0\.0\.1:\d+: 1 node\(s\) x 2 CPU ranks, ready: 2 process",
+                         listed.stdout), listed.stdout + listed.stderr  # fmt: skip
         warm_log, warm = probe_run(env, tmp_path, "warm")
-        assert "taking the warm pool of `megaray up` (2 processes with torch imported)" in warm_log
+        assert "taking the warm pool (2 processes with torch imported)" in warm_log
         assert warm == cold  # the program cannot tell: __main__, argv, cwd, env, its modules fresh, threads
         assert warm[0]["modules"] == ["probepkg", "probepkg.helper"] and warm[0]["helper_runs"] == 1
         again_log, again = probe_run(env, tmp_path, "again")  # the pool was refilled after the last launch

@@ -37,6 +37,8 @@ def _client(address: str | None):
     from ray.exceptions import AuthenticationError
     from ray.job_submission import JobSubmissionClient
 
+    if not address:
+        _check_last_cluster()
     shown = address or get_address_for_submission_client(None)
     logging.getLogger("ray.dashboard.modules.job.sdk").setLevel(logging.WARNING)  # "WebSocket closed"
     try:
@@ -52,6 +54,27 @@ def _client(address: str | None):
         raise ClusterError(
             f"cannot reach a Ray dashboard at {shown} ({str(e).splitlines()[0]}); pass --address "
             "http://HEAD:8265 or set RAY_API_SERVER_ADDRESS, and start the head with the dashboard"
+        ) from None
+
+
+def _check_last_cluster() -> None:
+    """With no address, Ray's job client asks the cluster last started on this machine (the file
+    `ray start` leaves in Ray's temp dir), and waits 30 s and more for one that has gone away."""
+    from ray._private.utils import read_ray_address
+
+    from ..driver.cluster import check_reachable
+
+    last = read_ray_address()
+    if not last:
+        raise UsageError(
+            "no cluster given: pass --address http://HEAD:8265 (the dashboard) or set RAY_ADDRESS"
+        )
+    try:
+        check_reachable(last, timeout_s=3.0)
+    except ClusterError:
+        raise ClusterError(
+            f"no --address or RAY_ADDRESS given, and the cluster last started on this machine ({last}, "
+            "recorded by `ray start`) does not answer: pass --address http://HEAD:8265 or set RAY_ADDRESS"
         ) from None
 
 
@@ -182,13 +205,19 @@ def main(argv: list[str]) -> int:
     if argv[0] == "submit":
         return submit(submit_spec_from_args(argv[1:]))
     args = build_parser().parse_args(argv)
-    client = _client(
-        args.address or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS")
-    )
+    address = args.address or os.environ.get("RAY_API_SERVER_ADDRESS") or os.environ.get("RAY_ADDRESS")
     if args.command == "list":
-        jobs = sorted(client.list_jobs(), key=lambda j: j.start_time or 0)
+        from .up import show_pools
+
+        # a dashboard URL names no GCS to ask for the pool; `megaray up`'s Ray has no dashboard
+        up_only = show_pools(None if address and "://" in address else address) and not address
+        if up_only:
+            print("jobs: none on `megaray up`'s Ray (no dashboard); `megaray submit --address` runs one")
+            return 0
+        jobs = sorted(_client(address).list_jobs(), key=lambda j: j.start_time or 0)
         print(format_jobs(jobs))
         return 0
+    client = _client(address)
     info = _job_info(client, args.job)
     if args.command == "status":
         print(format_status(info))

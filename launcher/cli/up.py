@@ -1,23 +1,37 @@
-"""`megaray up` and `megaray down`: a local Ray that launches attach to, started once (driver/up.py)."""
+"""`megaray up`, `megaray down`: a local Ray that launches attach to, started once (driver/up.py),
+and warm pools on it or on a cluster (driver/pool.py); `megaray list` shows them (`show_pools`)."""
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
+import os
+import time
+from collections.abc import Iterator
 
 from ..core.args import ArgumentParser
 from ..core.errors import UsageError
 
 log = logging.getLogger("megaray")
 
+WHAT = {
+    "up": "start a local Ray that launches attach to; with --warm, keep a warm pool (there, or on the "
+    "cluster at --address)",
+    "down": "stop the local Ray of `megaray up`; with --address, give back that cluster's warm pool",
+}
+
 
 def build_parser(command: str) -> argparse.ArgumentParser:
-    p = ArgumentParser(prog=f"megaray {command}", description=__doc__.splitlines()[0])
+    p = ArgumentParser(prog=f"megaray {command}", description=WHAT[command])
+    p.add_argument("--address", help="a running Ray cluster (HOST:PORT of its GCS; for down, default "
+                   "RAY_ADDRESS)")  # fmt: skip
     if command == "up":
-        p.add_argument("--nodes", type=int, default=1, help="simulated nodes (default 1)")
+        p.add_argument("--nodes", type=int, default=1, help="nodes (simulated without --address; default 1)")
         p.add_argument("--gpus-per-node", "--nproc-per-node", dest="gpus_per_node", type=int, default=2,
                        help="ranks per node (default 2)")  # fmt: skip
-        p.add_argument("--device", choices=("cpu", "gpu"), default="cpu", help="cpu (default): CPU ranks")
+        p.add_argument("--device", choices=("cpu", "gpu"), default=None,
+                       help="cpu (default here) or gpu (default with --address)")  # fmt: skip
         p.add_argument("--cpus-per-rank", type=float, default=1.0)
         p.add_argument(
             "--warm",
@@ -38,33 +52,110 @@ def main(command: str, argv: list[str]) -> int:
     from ..driver import up
 
     args = build_parser(command).parse_args(argv)
+    if command == "up":
+        return _up(args)
+    address = args.address or os.environ.get("RAY_ADDRESS")
     standing = up.running()
-    if command == "down":
-        if standing is None:
-            log.info("no `megaray up` is running")
-            return 0
-        left = up.stop(standing)
-        killed = f" (killed {len(left)} process(es) that did not stop on SIGTERM)" if left else ""
-        log.info("stopped the local Ray at %s%s", standing.describe(), killed)
+    if address:  # down --address: the cluster's pool
+        from ..driver import pool
+
+        with _connected(address):
+            layout = pool.drop()
+        if layout is None:
+            log.info("no warm pool at %s", address)
+        else:
+            log.info("gave back the warm pool of %s at %s", layout.describe(), address)
         return 0
+    if standing is None:
+        log.info("no `megaray up` is running")
+        return 0
+    from ..driver import pool
+
+    with _connected(standing.address):
+        pool.drop()  # its detached processes would hold up the node's own stop for 30 s
+    left = up.stop(standing)
+    killed = f" (killed {len(left)} process(es) that did not stop on SIGTERM)" if left else ""
+    log.info("stopped the local Ray at %s%s", standing.describe(), killed)
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from ..driver import up
+    from ..driver.pool import PoolLayout, keep
+
     for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node)):
         if value < 1:
             raise UsageError(f"{flag} must be at least 1, got {value}")
-    if args.device == "gpu" and args.nodes > 1:
+    if args.idle_timeout < 0:
+        raise UsageError(f"--idle-timeout must be at least 0 (0: never), got {args.idle_timeout}")
+    device = args.device or ("gpu" if args.address else "cpu")
+    layout = PoolLayout(
+        args.nodes, args.gpus_per_node, device, args.cpus_per_rank, args.idle_timeout,
+        fixed_size=not args.address,
+    )  # fmt: skip
+    if args.address:
+        if not args.warm:
+            raise UsageError(
+                "the cluster at --address is already up: `megaray up --address` keeps a warm pool "
+                "there, add --warm (or launch with --address directly)"
+            )
+        with _connected(args.address):
+            keep(layout)
+        log.info(
+            "a warm pool of %s is ready at %s for launches with --address %s (`megaray down --address` "
+            "gives it back; unclaimed, it does after %.0f s)",
+            layout.describe(), args.address, args.address, args.idle_timeout,
+        )  # fmt: skip
+        return 0
+    if device == "gpu" and args.nodes > 1:
         raise UsageError(
             "simulated nodes hold CPU ranks: use --device cpu, or --nodes 1 for this machine's GPUs"
         )
+    standing = up.running()
     if standing is not None:
         log.info("`megaray up` is already running at %s; `megaray down` stops it", standing.describe())
         return 0
-    from ..driver.pool import fill
-
-    standing = up.start(
-        args.nodes, args.gpus_per_node, args.device, args.cpus_per_rank, args.warm, args.idle_timeout,
-        fill_pool=(lambda s: fill(s, wait=True)) if args.warm else None,
-    )  # fmt: skip
+    when_ready = (lambda: keep(layout)) if args.warm else None
+    standing = up.start(args.nodes, args.gpus_per_node, device, args.cpus_per_rank, when_ready)
     log.info(
-        "started a local Ray at %s; launches without --address or RAY_ADDRESS use it until `megaray down`",
+        "started a local Ray at %s%s; launches without --address or RAY_ADDRESS use it until `megaray down`",
         standing.describe(),
+        ", with a warm pool" if args.warm else "",
     )
     return 0
+
+
+def show_pools(address: str | None) -> bool:
+    """For `megaray list`: the `megaray up` Ray and the warm pool of the cluster at `address` (a GCS
+    HOST:PORT), or of `megaray up`'s Ray. Whether a `megaray up` is running."""
+    from ..driver import pool, up
+
+    standing = up.running()
+    if standing is not None:
+        age = time.time() - standing.started_at
+        print(f"megaray up: {standing.describe()}, up {age / 60:.0f} min, temp dir {standing.temp_dir}")
+    where = address or (standing.address if standing else None)
+    if where is None:
+        return False
+    with _connected(where):
+        layout = pool.recorded()
+        if layout is None:
+            print(f"warm pool at {where}: none (`megaray up --warm` keeps one)")
+        else:
+            idle = f"gives its bundles back after {layout.idle_timeout_s:.0f} s unclaimed" if (
+                layout.idle_timeout_s) else "kept until `megaray down`"  # fmt: skip
+            print(f"warm pool at {where}: {layout.describe()}, {pool.state(layout)}; {idle}")
+    return standing is not None
+
+
+@contextlib.contextmanager
+def _connected(address: str) -> Iterator[None]:
+    """Connected to the cluster at `address` as a launch connects (token auth, clear errors)."""
+    from ..core.spec import LaunchSpec
+    from ..core.target import DRY_RUN_TARGET
+    from ..driver.cluster import connect
+
+    probe = LaunchSpec(nodes=1, gpus_per_node=1, target=DRY_RUN_TARGET, dry_run=True, address=address,
+                       job_name="megaray-pool")  # fmt: skip
+    with connect(probe):
+        yield

@@ -35,7 +35,7 @@ class Cluster:
     fixed_size: bool
 
 
-def _reachable(address: str, timeout_s: float = 5.0) -> None:
+def check_reachable(address: str, timeout_s: float = 5.0) -> None:
     """Fail in seconds, not after Ray's long retry loop, when a host:port address does not answer."""
     if address in ("auto", "local") or "://" in address:
         return
@@ -120,7 +120,7 @@ def connect(spec: LaunchSpec) -> Iterator[Cluster]:
     stack = contextlib.ExitStack()
     try:
         if spec.address:
-            _reachable(spec.address)
+            check_reachable(spec.address)
             stack.enter_context(token_mode(spec.address))
             _init(address=spec.address, log_to_driver=streams)
             cluster = Cluster(address=spec.address, fixed_size=False)

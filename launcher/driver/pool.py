@@ -1,6 +1,6 @@
-"""A warm pool across launches (`megaray up --warm`): one rank process per slot of the `megaray up`
-layout, already started by Ray, with torch (and megatron-core where installed) imported and CUDA not
-initialised, in placement groups it holds.
+"""A warm pool across launches (`megaray up --warm`, on its local Ray or with `--address` on a
+cluster): one rank process per slot of a layout, already started by Ray, with torch (and
+megatron-core where installed) imported and CUDA not initialised, in placement groups it holds.
 
 Warm spares (spares.py) do this within a job, for a restart; the pool does it for the next launch.
 A launch whose layout is the pool's claims it (the first to ask gets it), gives each process its
@@ -9,13 +9,18 @@ argv, cwd; the program's own modules are imported fresh, since only torch and th
 were imported ahead). The processes and groups are detached: they outlive the launch that made them.
 After a launch took the pool, the next one is started in the background, for the launch after.
 An idle pool gives its bundles (GPUs included) back after `--idle-timeout`.
+
+The layout is recorded in the cluster's own key-value store (the GCS), not on the machine that
+asked for it: every driver attached to that cluster finds the same pool, and a launch on another
+cluster never touches it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
 
 import ray
 
@@ -27,35 +32,87 @@ from .actors import start_rank_actor, wait_all
 from .cluster import NAMESPACE
 from .spares import warm_steps
 from .supervise import StopSignal
-from .up import Standing, running
 
 log = logging.getLogger("megaray")
 
 POOL = "megaray-pool"
+TAKEN = "megaray-pool-taken"  # the job that took the pool now there: a claim every driver sees at once
 POOL_READY_S = 120.0  # a pool still importing (just refilled) is waited for this long, then skipped
 
 
-def _spec(s: Standing) -> LaunchSpec:
+@dataclass(frozen=True)
+class PoolLayout:
+    nodes: int
+    gpus_per_node: int
+    device: str
+    cpus_per_rank: float = 1.0
+    idle_timeout_s: float = 1800.0
+    fixed_size: bool = True  # the cluster cannot grow (a local Ray): placement fails at once
+
+    def describe(self) -> str:
+        unit = "GPUs" if self.device == "gpu" else "CPU ranks"
+        return f"{self.nodes} node(s) x {self.gpus_per_node} {unit}"
+
+    def fits(self, spec: LaunchSpec) -> bool:
+        return (spec.nodes, spec.gpus_per_node, spec.device) == (
+            self.nodes, self.gpus_per_node, self.device
+        ) and spec.cpus_per_rank <= self.cpus_per_rank  # fmt: skip
+
+
+def _kv():
+    from ray.experimental import internal_kv
+
+    return internal_kv
+
+
+def recorded() -> PoolLayout | None:
+    """The connected cluster's pool, if one was asked for there (and not dropped)."""
+    raw = _kv()._internal_kv_get(POOL, namespace=NAMESPACE)
+    return PoolLayout(**json.loads(raw)) if raw else None
+
+
+def keep(layout: PoolLayout) -> None:
+    """Record the pool on the connected cluster and fill it, waiting until its processes imported."""
+    old = recorded()
+    if old is not None and old != layout:
+        give_back(old)
+    _kv()._internal_kv_put(POOL, json.dumps(asdict(layout)), overwrite=True, namespace=NAMESPACE)
+    if len(_groups(layout)) < layout.nodes:
+        give_back(layout)  # a part left of an earlier one
+        fill(layout, wait=True)
+
+
+def drop() -> PoolLayout | None:
+    """Give the connected cluster's pool back and forget it; what it was."""
+    layout = recorded()
+    if layout is not None:
+        give_back(layout)
+        _kv()._internal_kv_del(POOL, namespace=NAMESPACE)
+    return layout
+
+
+def _spec(layout: PoolLayout) -> LaunchSpec:
     return LaunchSpec(
-        nodes=s.nodes, gpus_per_node=s.gpus_per_node, target=DRY_RUN_TARGET, dry_run=True, device=s.device,
-        cpus_per_rank=s.cpus_per_rank, job_name=POOL,
+        nodes=layout.nodes, gpus_per_node=layout.gpus_per_node, target=DRY_RUN_TARGET, dry_run=True,
+        device=layout.device, cpus_per_rank=layout.cpus_per_rank, job_name=POOL,
     )  # fmt: skip
 
 
-def fill(s: Standing, wait: bool) -> None:
+def fill(layout: PoolLayout, wait: bool) -> None:
     """Place the pool's groups (detached) and start one importing process per bundle."""
-    spec = _spec(s)
-    groups = placement.place_groups(spec, POOL, StopSignal(), fixed_size=True, detached=True)
-    env = {"OMP_NUM_THREADS": "1"} if s.gpus_per_node > 1 else {}  # what ranks get, before torch loads
-    imports, idle = warm_steps(DRY_RUN_TARGET), s.idle_timeout_s  # megatron's are skipped if absent
+    spec = _spec(layout)
+    groups = placement.place_groups(spec, POOL, StopSignal(), fixed_size=layout.fixed_size, detached=True)
+    _kv()._internal_kv_del(TAKEN, namespace=NAMESPACE)  # a new pool, not taken yet
+    env = {"OMP_NUM_THREADS": "1"} if layout.gpus_per_node > 1 else {}  # what ranks get, before torch
+    imports, idle = warm_steps(DRY_RUN_TARGET), layout.idle_timeout_s  # megatron's skipped if absent
     actors = [
         start_rank_actor(
-            f"{POOL}-g{g}b{b}", group, b, job=POOL, rank=g * s.gpus_per_node + b, node_ip="",
+            f"{POOL}-g{g}b{b}", group, b, job=POOL, rank=g * layout.gpus_per_node + b, node_ip="",
             num_cpus=spec.cpus_per_rank, num_gpus=1 if spec.uses_gpus else 0,
             pooled={"env": env, "steps": imports, "group": f"{POOL}-node{g}", "idle_timeout_s": idle},
         )
         for g, group in enumerate(groups)
-        for b in range(s.gpus_per_node)
+        for b in range(layout.gpus_per_node)
     ]  # fmt: skip
     if wait:
         ray.get([a.info.remote() for a in actors], timeout=POOL_READY_S)
@@ -72,67 +129,95 @@ class Taken:
 def take(spec: LaunchSpec, stop: StopSignal) -> Taken | None:
     """The pool's processes for this launch, in rank order, or None (no pool, another layout, or
     another launch took it): then the launch starts cold."""
-    s = running()
-    if s is None or not s.warm:
+    layout = recorded()
+    if layout is None:
         return None
-    if (spec.nodes, spec.gpus_per_node, spec.device) != (s.nodes, s.gpus_per_node, s.device) or (
-        spec.cpus_per_rank > s.cpus_per_rank
-    ):
-        if give_back(s):
+    if not layout.fits(spec):
+        if give_back(layout):
             log.info(
                 "the warm pool is for %s: given back for this launch's layout, which starts cold",
-                s.describe(),
+                layout.describe(),
             )
         return None
-    groups = _groups(s)
-    try:
-        by_bundle = {
-            (g, b): ray.get_actor(f"{POOL}-g{g}b{b}", namespace=NAMESPACE)
-            for g in range(s.nodes)
-            for b in range(s.gpus_per_node)
-        }
-    except ValueError:  # an actor is gone
-        by_bundle = None
-    if by_bundle is None or len(groups) < s.nodes:
-        give_back(s)  # a part of it, if any: this launch needs the room
+    groups = _groups(layout)
+    by_bundle = _actors(layout)
+    if by_bundle is None or len(groups) < layout.nodes:
+        give_back(layout)  # a part of it, if any: this launch needs the room
         log.info("the warm pool is not there (given back when idle, or in use): this launch starts cold")
+        return None
+    if _kv()._internal_kv_put(TAKEN, spec.job_name, overwrite=False, namespace=NAMESPACE):
+        log.info("the warm pool is in use by job %s: this launch starts cold", _taken_by())
         return None
     claims = [a.claim.remote(spec.job_name) for a in by_bundle.values()]
     if len(wait_all(claims, POOL_READY_S, stop)) < len(claims) or not all(ray.get(claims)):
+        _kv()._internal_kv_del(TAKEN, namespace=NAMESPACE)  # the next launch may find it ready
         log.info("the warm pool is still starting, or another launch took it: this launch starts cold")
         return None
     slots = assign_ranks(order_nodes(placement.resolve_nodes(groups)), spec.gpus_per_node)
     actors = [by_bundle[(slot.group, slot.bundle)] for slot in slots]
     reports = ray.get([a.info.remote() for a in actors])
-    log.info("taking the warm pool of `megaray up` (%d processes with torch imported)", len(actors))
+    log.info("taking the warm pool (%d processes with torch imported)", len(actors))
     return Taken(
         groups, slots, actors, [replace(r, rank=sl.rank) for r, sl in zip(reports, slots, strict=True)]
     )
 
 
-def _groups(s: Standing) -> list:
+def _actors(layout: PoolLayout) -> dict[tuple[int, int], object] | None:
+    """The pool's processes by (group, bundle), or None when one is gone."""
+    try:
+        return {
+            (g, b): ray.get_actor(f"{POOL}-g{g}b{b}", namespace=NAMESPACE)
+            for g in range(layout.nodes)
+            for b in range(layout.gpus_per_node)
+        }
+    except ValueError:
+        return None
+
+
+def _groups(layout: PoolLayout) -> list:
     """The pool's placement groups that exist, by node."""
     found = []
-    for i in range(s.nodes):
+    for i in range(layout.nodes):
         with contextlib.suppress(ValueError):
             found.append(ray.util.get_placement_group(f"{POOL}-node{i}"))
     return found
 
 
-def give_back(s: Standing) -> bool:
+def give_back(layout: PoolLayout) -> bool:
     """Remove the pool's groups (which ends its processes); whether there was any."""
-    groups = _groups(s)
+    groups = _groups(layout)
     placement.remove_groups(groups)
     return bool(groups)
 
 
 def refill() -> None:
-    """At the end of a launch on a `megaray up --warm` cluster without its pool (taken, given back
-    for another layout, or idle): the next one, started in the background (it is detached)."""
-    s = running()
-    if s is None or not s.warm or len(_groups(s)) == s.nodes:
+    """At the end of a launch on a cluster with a pool recorded and not there (taken, given back for
+    another layout, or idle): the next one, started in the background (it is detached)."""
+    layout = recorded()
+    if layout is None or len(_groups(layout)) == layout.nodes:
         return
     try:
-        fill(s, wait=False)
+        fill(layout, wait=False)
     except Exception as e:  # the next launch starts cold, and says so
         log.warning("could not refill the warm pool: %s", str(e).splitlines()[0])
+
+
+def _taken_by() -> str | None:
+    raw = _kv()._internal_kv_get(TAKEN, namespace=NAMESPACE)
+    return raw.decode() if raw else None
+
+
+def state(layout: PoolLayout) -> str:
+    """For `megaray list`: ready, in use, importing, or given back."""
+    groups, actors = _groups(layout), _actors(layout)
+    if not groups:
+        return "given back (idle, or taken and not refilled yet): the next launch refills it"
+    if (job := _taken_by()) is not None:
+        return f"in use by job {job}"
+    if actors is None or len(groups) < layout.nodes:
+        return f"incomplete ({len(groups)} of {layout.nodes} group(s)): the next launch replaces it"
+    refs = [a.info.remote() for a in actors.values()]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=2.0)
+    if len(ready) < len(refs):
+        return f"importing: {len(ready)} of {len(refs)} process(es) ready"
+    return f"ready: {len(refs)} process(es) with torch imported"

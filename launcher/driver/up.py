@@ -53,13 +53,10 @@ class Standing:
     temp_dir: str
     started_at: float
     cpus_per_rank: float = 1.0
-    warm: bool = False  # holds a warm pool (driver/pool.py)
-    idle_timeout_s: float = 0.0  # the pool gives its bundles back after this long unclaimed
 
     def describe(self) -> str:
         unit = "GPUs" if self.device == "gpu" else "CPU ranks"
-        pool = ", with a warm pool" if self.warm else ""
-        return f"{self.address} ({self.nodes} node(s) x {self.gpus_per_node} {unit}{pool})"
+        return f"{self.address} ({self.nodes} node(s) x {self.gpus_per_node} {unit})"
 
 
 def _path() -> Path:
@@ -99,11 +96,11 @@ def _start_node(args: list[str], log_path: Path, env: dict[str, str]) -> subproc
 
 
 def start(
-    nodes: int, gpus_per_node: int, device: str, cpus_per_rank: float = 1.0, warm: bool = False,
-    idle_timeout_s: float = 0.0, fill_pool: Callable[[Standing], None] | None = None,
+    nodes: int, gpus_per_node: int, device: str, cpus_per_rank: float = 1.0,
+    when_ready: Callable[[], None] | None = None,
 ) -> Standing:  # fmt: skip
-    """Start the cluster and wait until every node has registered; then, connected, `fill_pool`
-    (driver/pool.py) starts the warm pool when `warm`."""
+    """Start the cluster and wait until every node has registered; then, still connected, call
+    `when_ready` (which starts a warm pool, driver/pool.py)."""
     import ray
 
     from ..core.spec import RAY_NAMESPACE as NAMESPACE
@@ -130,9 +127,8 @@ def start(
     ]  # fmt: skip
     address = f"127.0.0.1:{port}"
     state = Standing(
-        address, nodes, gpus_per_node, device, (procs[0].pid,), str(temp_dir), time.time(),
-        cpus_per_rank, warm, idle_timeout_s,
-    )  # fmt: skip
+        address, nodes, gpus_per_node, device, (procs[0].pid,), str(temp_dir), time.time(), cpus_per_rank
+    )
     try:
         _wait(lambda: _reachable(address), procs[0], logs)
         with token_mode(address):
@@ -143,8 +139,8 @@ def start(
                     procs.append(_start_node(["--address", address, *per_node], logs, env))
                     _wait(lambda b=before: _count_alive() > b, procs[-1], logs)
                 state = dataclasses.replace(state, pids=tuple(p.pid for p in procs))
-                if fill_pool is not None:
-                    fill_pool(state)
+                if when_ready is not None:
+                    when_ready()
             finally:
                 ray.shutdown()
     except BaseException:
