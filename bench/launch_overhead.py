@@ -4,12 +4,17 @@ running (no address given), megaray starting its own local Ray, and `torchrun --
 measured in the same run, interleaved, repeated.
 
     python bench/launch_overhead.py --ranks 2 4 8 16 --repeats 3
+
+`--first-step` measures instead the time to the first training step of the dry-run trainer (the
+rendezvous check, then a tiny Megatron GPT on CPU; bench/first_step.py under torchrun, `--dry-run`
+under megaray), where the warm pool saves the megatron-core import as well as torch's.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import shutil
 import subprocess
 import tempfile
@@ -18,6 +23,8 @@ from pathlib import Path
 from common import PY, REPO, clean_env, median, ray_cluster, summary, timed
 
 TARGET = str(REPO / "bench" / "barrier.py")
+FIRST_STEP = str(REPO / "bench" / "first_step.py")
+STEPS = "steps=3"
 MODES = ("torchrun", "megaray-attached", "megaray-up", "megaray-up-warm", "megaray-own-ray")
 
 
@@ -96,12 +103,68 @@ def measure(n: int, wanted: list[str], repeats: int, address: str, state: str, w
     return {m: {"seconds": times[m], "rank_cpu": cpus[m]} for m in modes}
 
 
+def first_step(cmd: list[str], megaray: bool) -> float:
+    """Seconds from starting `cmd` to the first training step reported."""
+    out = Path(tempfile.mkdtemp(prefix="megaray-first-step-"))
+    try:
+        if megaray:
+            t0, p = timed([*cmd, "--runs-dir", str(out), "--job-name", "fs", "--dry-run", STEPS])
+        else:
+            t0, p = timed([*cmd, FIRST_STEP, str(out / "first"), STEPS])
+        if p.returncode != 0:
+            raise RuntimeError(
+                f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-3000:]}{p.stderr[-3000:]}"
+            )
+        if megaray:
+            return json.loads((out / "fs" / "summary.json").read_text())["progress"]["first_report_at"] - t0
+        return float((out / "first").read_text()) - t0
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+
+
+def measure_first_step(n: int, wanted: list[str], repeats: int, address: str, state: str, warm: str) -> dict:
+    megaray = [
+        PY,
+        str(REPO / "main.py"),
+        "--device",
+        "cpu",
+        "--cpus-per-rank",
+        "0.1",
+        "--gpus-per-node",
+        str(n),
+    ]
+    modes = {
+        "torchrun": [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)],
+        "megaray-attached": [*megaray, "--address", address],
+        "megaray-up": ["env", f"MEGARAY_STATE_DIR={state}", *megaray],
+        "megaray-up-warm": ["env", f"MEGARAY_STATE_DIR={warm}", *megaray],
+        "megaray-own-ray": megaray,
+    }
+    modes = {m: cmd for m, cmd in modes.items() if m in wanted}
+    times: dict[str, list[float]] = {m: [] for m in modes}
+    for _ in range(repeats):
+        for mode, cmd in modes.items():
+            times[mode].append(first_step(cmd, mode != "torchrun"))
+    base = median(times["torchrun"])
+    print(f"{n} ranks, to the dry-run trainer's first step:", flush=True)
+    for mode, ts in times.items():
+        diff = (
+            ""
+            if mode == "torchrun"
+            else f"  {median(ts) - base:+.2f} s vs torchrun ({median(ts) / base:.2f}x)"
+        )
+        print(f"  {mode:17s} {summary(ts)} s{diff}", flush=True)
+    return {m: {"seconds": times[m]} for m in modes}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--first-step", action="store_true", help="to the dry-run trainer's first step")
     args = parser.parse_args(argv)
+    run = measure_first_step if args.first_step else measure
     results: dict = {}
     up = megaray_up(max(args.ranks)) if "megaray-up" in args.modes else contextlib.nullcontext("")
     with ray_cluster(nodes=1, cpus_per_node=max(args.ranks)) as address, up as state:
@@ -112,7 +175,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if "megaray-up-warm" in args.modes
                 else contextlib.nullcontext("") as warm
             ):
-                results[n] = measure(n, args.modes, args.repeats, address, state, warm)
+                results[n] = run(n, args.modes, args.repeats, address, state, warm)
     return results
 
 

@@ -122,6 +122,7 @@ def test_a_killed_rank_is_relaunched_and_training_resumes_from_the_last_checkpoi
     assert summary["status"] == "succeeded" and len(summary["restarts"]) == 1
     assert summary["restarts"][0]["warm_spares"] is True
     assert summary["progress"]["iteration"] == 40  # the iteration count carried on to the end
+    assert summary["started_at"] < summary["progress"]["first_report_at"] < summary["ended_at"]
     trained = re.search(r"loss [\d.]+ -> [\d.]+ over (\d+) steps", out)
     assert trained and int(trained.group(1)) == 40 - resumed
     assert leftovers(job) == ([], [])

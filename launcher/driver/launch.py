@@ -127,7 +127,7 @@ def _launch(spec: LaunchSpec) -> LaunchResult:
             **outcome,
             restarts=restarts,
             timings=attempts[-1].gang.timings if attempts else {},
-            progress=progress.stats,
+            progress={**progress.stats, "first_report_at": progress.first_at} if progress.stats else {},
         )
         log.info("run directory: %s", run.path)
 

@@ -47,9 +47,12 @@ class ProgressView:
         self.last_printed = 0.0
         self.printed_iteration: int | None = None
         self.stats: dict[str, Any] = {}
+        self.first_at: float | None = None  # when a rank reported the first iteration (time to first step)
 
     def update(self, record: dict[str, Any]) -> None:
         previous, self.last = self.last, record
+        if self.first_at is None:
+            self.first_at = record["time"]
         it = record["iteration"]
         total = record.get("total") or self.facts.train_iters
         iter_s = record.get("iter_s")
