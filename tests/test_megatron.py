@@ -363,3 +363,31 @@ def test_ctrl_c_during_the_preflight_exits_130_in_one_line(check):
     _, err = p.communicate(timeout=60)
     assert p.returncode == 130, err[-3000:]
     assert "Traceback" not in err and "interrupted by SIGINT" in err
+
+
+def test_real_data_made_by_megatron_preprocessing_trains_the_dry_run_and_passes_the_preflight(
+    tmp_path, capsys
+):
+    # As the README gives it: a text file in the repository -> a tokenizer -> Megatron's preprocessing.
+    import subprocess
+
+    out = tmp_path / "out"
+    p = subprocess.run([sys.executable, "examples/data/prepare.py", "--out", str(out)], cwd=REPO,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    prefix = out / "corpus_text"
+    assert (out / "corpus_text.bin").stat().st_size > 10_000 and (out / "corpus_text.idx").is_file()
+    # the recipe's preflight finds the data and the tokenizer, and takes the vocabulary from it
+    data = [f"dataset.blend=[[{prefix}],null]", f"tokenizer.tokenizer_model={out / 'tokenizer'}"]
+    assert main(["--recipe", "gpt_small_text", "--check", *data]) == 0
+    err = capsys.readouterr().err
+    assert re.search(r"preflight: memory [\d.]+ GiB per GPU .*0\.81B parameters", err), err[-2000:]
+    assert main(["--recipe", "gpt_small_text", "--check", "dataset.blend=[[/nowhere/x],null]"]) == 2
+    assert "dataset.blend prefix /nowhere/x has no /nowhere/x.bin" in capsys.readouterr().err
+    # the dry run's tiny Megatron GPT, on two CPU ranks, learns the text
+    cmd = [sys.executable, "main.py", "--dry-run", "--nodes", "1", "--gpus-per-node", "2", f"data={prefix}",
+           "steps=30", "--runs-dir", str(tmp_path / "runs")]  # fmt: skip
+    p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+) over 30 steps", p.stderr).groups())
+    assert first > 6.5 and last < first - 0.5  # from ln(1024) = 6.93, the tokenizer's vocabulary

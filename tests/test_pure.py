@@ -591,6 +591,7 @@ def test_data_paths_a_config_names_are_checked(tmp_path):
 
     assert blend_prefixes((["/d/a", "/d/b"], [0.3, 0.7])) == ["/d/a", "/d/b"]
     assert blend_prefixes(["0.3", "/d/a", "0.7", "/d/b"]) == ["/d/a", "/d/b"]
+    assert blend_prefixes([["./d/a"], None]) == ["./d/a"]  # the pair, as a YAML override gives it
     assert blend_prefixes(None) == []
     (tmp_path / "a.bin").write_bytes(b"")
     (tmp_path / "a.idx").write_bytes(b"")

@@ -13,11 +13,11 @@ from typing import Any
 
 
 def blend_prefixes(blend: Any) -> list[str]:
-    """The path prefixes of a Megatron blend: `(["a", "b"], [0.3, 0.7])`, `["0.3", "a", "0.7", "b"]`,
-    or a list of prefixes."""
+    """The path prefixes of a Megatron blend: `(["a", "b"], [0.3, 0.7])` (a list when it came from a
+    YAML or command-line override), `["0.3", "a", "0.7", "b"]`, or a list of prefixes."""
     if not blend:
         return []
-    if isinstance(blend, tuple) and len(blend) == 2 and isinstance(blend[0], (list, tuple)):
+    if isinstance(blend, (tuple, list)) and len(blend) == 2 and isinstance(blend[0], (list, tuple)):
         return [str(p) for p in blend[0]]
     items = [str(x) for x in blend]
     return [x for x in items if not _is_number(x)]

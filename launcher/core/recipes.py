@@ -55,6 +55,9 @@ def yaml_value(value: object) -> str:
         return "true" if value else "false"
     if isinstance(value, (list, dict)):
         return yaml.safe_dump(value, default_flow_style=True).strip()
+    if isinstance(value, str) and re.search(r"[,\[\]{}()=:'\"\s\\]", value):
+        # a YAML string Hydra would read as a list or choke on ("100,0,0"): quoted, as on a command line
+        return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
     return str(value)
 
 

@@ -66,11 +66,12 @@ class Target:
 DRY_RUN_TARGET = Target(TargetKind.DRYRUN, "launcher.megatron.dryrun:check_and_train")
 GROUP_TARGET = Target(TargetKind.GROUP, "rank group")
 
-DRY_RUN_OPTIONS = {"steps": int, "save": str, "save_every": int}
+DRY_RUN_OPTIONS = {"steps": int, "save": str, "save_every": int, "data": str}
 
 
 def parse_dry_run_options(args: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """`--dry-run steps=40 save=DIR save_every=5`: the tiny trainer's length and checkpoints."""
+    """`--dry-run steps=40 save=DIR save_every=5 data=PREFIX`: the tiny trainer's length, checkpoints,
+    and a Megatron indexed dataset (PREFIX.bin/.idx) to train on instead of counting sequences."""
     options: dict[str, Any] = {}
     for item in args:
         key, sep, value = item.partition("=")
@@ -93,6 +94,19 @@ def check_target_locally(target: Target, cwd: str) -> None:
     The entrypoint's module is located and parsed, not imported: importing user code in the driver
     could import torch or start work there.
     """
+    if target.kind is TargetKind.DRYRUN:
+        prefix = parse_dry_run_options(target.args).get("data")
+        missing = [
+            prefix + s
+            for s in (".bin", ".idx")
+            if prefix and not os.path.isfile(os.path.join(cwd, prefix + s))
+        ]
+        if missing:
+            raise UsageError(
+                f"--dry-run data={prefix}: no {missing[0]} (looked in {cwd}); give the prefix of a Megatron "
+                "indexed dataset, which `python examples/data/prepare.py` makes from a text file"
+            )
+        return
     if target.kind is TargetKind.SCRIPT:
         path = os.path.join(cwd, target.name)
         if not os.path.isfile(path):

@@ -67,6 +67,7 @@ def preflight(spec: LaunchSpec) -> Plan | None:
             f"recipe {target.recipe.name}: {'; '.join(missing)} on this machine (the ranks read the same "
             "paths: put the data on a shared filesystem, or at the same path on every node)"
         )
+    set_vocab_from_tokenizer(cfg)
     if spec.uses_gpus:
         check_memory(spec, cfg, te_adapted=te_adapted(notes))
     log.info(
@@ -88,6 +89,27 @@ def data_problems(cfg: Any) -> list[str]:
         prefixes += blend_prefixes(split)
     files = [(f"tokenizer.{k}", getattr(t, k, None)) for k in ("tokenizer_model", "vocab_file", "merge_file")]
     return missing_data(prefixes, getattr(d, "dataset_root", None), [(k, str(v)) for k, v in files if v])
+
+
+def set_vocab_from_tokenizer(cfg: Any) -> None:
+    """A model whose vocab size comes from its tokenizer (`model.vocab_size: null`) gets it as bridge's
+    pretrain() will give it, so that the memory estimate and the FLOPs have it; only for a tokenizer
+    on this machine, which loads in a moment (a hub id could mean a download)."""
+    model, tok = cfg.model, cfg.tokenizer
+    local = str(getattr(tok, "tokenizer_model", None) or "")
+    if model.vocab_size is not None or not local.startswith(("/", "./", "../", "~")):
+        return
+    from megatron.bridge.training.setup import _validate_and_set_vocab_size
+    from megatron.bridge.training.tokenizers.tokenizer import build_tokenizer
+
+    try:
+        tokenizer = build_tokenizer(tok)
+        model.vocab_size, model.should_pad_vocab = _validate_and_set_vocab_size(
+            model_vocab_size=None, tokenizer_vocab_size=tokenizer.vocab_size,
+            use_tokenizer_vocab_size=getattr(tok, "use_tokenizer_vocab_size", False),
+        )  # fmt: skip
+    except Exception as e:  # the ranks will fail on it with bridge's own message; the estimate goes without
+        log.warning("preflight: could not load the tokenizer %s (%s)", local, str(e).splitlines()[0][:200])
 
 
 def check_memory(spec: LaunchSpec, cfg: Any, te_adapted: bool) -> None:

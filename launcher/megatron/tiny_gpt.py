@@ -35,8 +35,11 @@ def train(
     lr: float = 3e-3,
     save: str | None = None,
     save_every: int = 5,
+    data: str | None = None,
 ) -> dict[str, Any]:
-    """Train; with `save`, checkpoint every `save_every` steps and resume from the latest one there."""
+    """Train; with `save`, checkpoint every `save_every` steps and resume from the latest one there;
+    with `data`, on the tokens of a Megatron indexed dataset (`data`.bin/.idx, as Megatron's
+    preprocessing writes it) instead of counting sequences."""
     import torch
     import torch.distributed as dist
 
@@ -45,7 +48,10 @@ def train(
         dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     try:
         ckpt = Checkpoints(save, save_every) if save else None
-        return _train(steps, seq, vocab, hidden, heads, layers, micro_batch, microbatches, lr, ckpt)
+        corpus = _read_corpus(data) if data else None
+        if corpus is not None:
+            vocab = max(vocab, int(corpus.max()) + 1)
+        return _train(steps, seq, vocab, hidden, heads, layers, micro_batch, microbatches, lr, ckpt, corpus)
     finally:
         from megatron.core import parallel_state
 
@@ -87,7 +93,25 @@ class Checkpoints:
         return torch.load(self.root / f"iter_{iteration:07d}" / f"rank{rank}.pt", weights_only=False)
 
 
-def _train(steps, seq, vocab, hidden, heads, layers, micro_batch, microbatches, lr, ckpt) -> dict[str, Any]:
+def _read_corpus(prefix: str):
+    """Every token of the dataset, in order, read with megatron-core's own reader."""
+    import numpy as np
+    import torch
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    for suffix in (".bin", ".idx"):
+        if not os.path.isfile(prefix + suffix):
+            raise FileNotFoundError(
+                f"--dry-run data={prefix}: no {prefix}{suffix} on this node; give the prefix of a Megatron "
+                "indexed dataset (examples/data/prepare.py makes one)"
+            )
+    ds = IndexedDataset(prefix)
+    return torch.from_numpy(np.concatenate([ds[i] for i in range(len(ds))]).astype(np.int64))
+
+
+def _train(
+    steps, seq, vocab, hidden, heads, layers, micro_batch, microbatches, lr, ckpt, corpus=None
+) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -159,8 +183,12 @@ def _train(steps, seq, vocab, hidden, heads, layers, micro_batch, microbatches, 
 
     def batches():
         while True:
-            start = torch.randint(0, vocab, (micro_batch, 1), generator=gen)
-            tokens = (start + torch.arange(seq + 1)) % vocab
+            if corpus is None:
+                start = torch.randint(0, vocab, (micro_batch, 1), generator=gen)
+                tokens = (start + torch.arange(seq + 1)) % vocab
+            else:  # windows of the real text at random offsets
+                start = torch.randint(0, len(corpus) - seq - 1, (micro_batch, 1), generator=gen)
+                tokens = corpus[start + torch.arange(seq + 1)]
             yield tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 
     def forward_step(data_iterator, model):
