@@ -140,6 +140,31 @@ def test_relaunches_resume_from_the_recipe_checkpoints_and_nccl_outlasts_the_han
     assert align_timeouts(short, plan) == short.target  # 10 minutes already outlast a minute
 
 
+def test_a_finetuning_relaunch_resumes_from_its_own_checkpoints_once_it_has_saved_one(tmp_path):
+    # Bridge's SFT recipes load from their default save folder; with checkpoint.save given alone, the
+    # relaunch must load from there once the first attempt saved, and from the pretrained weights before.
+    from launcher.core.spec import spec_from_args
+    from launcher.driver.launch import resume_target
+    from launcher.megatron.preflight import Plan
+
+    save = tmp_path / "ft"
+    spec = spec_from_args(["--recipe", "llama3_8b_sft_2gpu_h100_bf16_config", "--nodes", "1",
+                           "--gpus-per-node", "2", f"checkpoint.pretrained_checkpoint={tmp_path / 'pre'}",
+                           f"checkpoint.save={save}"])  # fmt: skip
+    cfg = build_config(spec.target.recipe, list(spec.target.args))[0]
+    assert cfg.checkpoint.load not in (None, str(save))  # the recipe's own folder
+    plan = Plan(layout=None, config=cfg, facts=facts_from_config(cfg))
+    assert resume_target(spec.target, plan) == spec.target  # nothing saved yet
+    save.mkdir()
+    (save / "latest_checkpointed_iteration.txt").write_text("50")
+    again = resume_target(spec.target, plan)
+    assert again.args[-1] == f"checkpoint.load={save}"
+    assert build_config(spec.target.recipe, list(again.args))[0].checkpoint.load == str(save)
+    given = spec_from_args(["--recipe", "llama3_8b_sft_2gpu_h100_bf16_config", f"checkpoint.save={save}",
+                            "checkpoint.load=/mine"])  # fmt: skip
+    assert resume_target(given.target, plan) == given.target  # the user's own load is kept
+
+
 def test_command_line_overrides_beat_the_recipe_file_which_beats_bridge():
     recipe = load_recipe("gpt_small")
     cfg, _ = build_config(recipe, ["model.num_layers=2", "train.train_iters=7"])
@@ -385,8 +410,8 @@ def test_real_data_made_by_megatron_preprocessing_trains_the_dry_run_and_passes_
     assert main(["--recipe", "gpt_small_text", "--check", "dataset.blend=[[/nowhere/x],null]"]) == 2
     assert "dataset.blend prefix /nowhere/x has no /nowhere/x.bin" in capsys.readouterr().err
     # the dry run's tiny Megatron GPT, on two CPU ranks, learns the text
-    cmd = [sys.executable, "main.py", "--dry-run", "--nodes", "1", "--gpus-per-node", "2", f"data={prefix}",
-           "steps=30", "--runs-dir", str(tmp_path / "runs")]  # fmt: skip
+    cmd = [sys.executable, "main.py", "--runs-dir", str(tmp_path / "runs"), "--dry-run", "--nodes", "1",
+           "--gpus-per-node", "2", f"data={prefix}", "steps=30"]  # fmt: skip
     p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-3000:]
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+) over 30 steps", p.stderr).groups())

@@ -306,11 +306,20 @@ def align_timeouts(spec: LaunchSpec, plan: Any) -> Target:
 def resume_target(target: Target, plan: Any) -> Target:
     """The target of a relaunch: a Megatron recipe that saves checkpoints loads the latest of them
     (bridge resumes the iteration count from `checkpoint.load`); other programs resume themselves,
-    as under torchrun (TORCHELASTIC_RESTART_COUNT tells them it is a restart)."""
+    as under torchrun (TORCHELASTIC_RESTART_COUNT tells them it is a restart).
+
+    Pretraining recipes load nothing; finetuning recipes load from their default save folder, so a
+    `checkpoint.save` given alone would leave the relaunch loading elsewhere. A `checkpoint.load`
+    given on the command line is kept; one from the recipe gives way once the save folder holds a
+    checkpoint (before that, the relaunch starts as the first attempt did: the pretrained weights)."""
     if target.kind is not TargetKind.MEGATRON or plan is None:
         return target
+    from ..megatron.bridge_target import has_checkpoint
+
     ckpt = plan.config.checkpoint
-    if not ckpt.save or ckpt.load or any(a.startswith("checkpoint.load=") for a in target.args):
+    if not ckpt.save or ckpt.load == ckpt.save or any(a.startswith("checkpoint.load=") for a in target.args):
+        return target
+    if ckpt.load and not has_checkpoint(ckpt.save):
         return target
     log.info("the relaunch resumes from the recipe's checkpoints: checkpoint.load=%s", ckpt.save)
     return replace(target, args=(*target.args, f"checkpoint.load={ckpt.save}"))
