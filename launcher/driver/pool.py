@@ -132,6 +132,9 @@ def take(spec: LaunchSpec, stop: StopSignal) -> Taken | None:
     layout = recorded()
     if layout is None:
         return None
+    if (job := _taken_by()) is not None and _groups(layout):  # a launch runs in it: never give it back
+        log.info("the warm pool is in use by job %s: this launch starts cold", job)
+        return None
     if not layout.fits(spec):
         if give_back(layout):
             log.info(
