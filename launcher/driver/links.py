@@ -22,14 +22,15 @@ REACH_TIMEOUT_S = 5.0
 def check_rendezvous(
     actors: list, slots: list[RankSlot], reports: list[RankReport], master: tuple[str, int], stop: StopSignal
 ) -> None:
-    if len(actors) < 2:
+    firsts: dict[str, int] = {}  # the first rank of each node but the master's (which reaches itself)
+    for s in slots[1:]:
+        if s.node_id != slots[0].node_id:
+            firsts.setdefault(s.node_id, s.rank)
+    if not firsts:
         return
     host, port = master
     ray.get(actors[0].open_rendezvous.remote(port))
     try:
-        firsts: dict[str, int] = {}
-        for s in slots[1:]:
-            firsts.setdefault(s.node_id, s.rank)
         refs = {r: actors[r].reach.remote(host, port, REACH_TIMEOUT_S) for r in firsts.values()}
         wait_all(list(refs.values()), REACH_TIMEOUT_S + 30, stop)
         failed = {r: ray.get(ref) for r, ref in refs.items()}
