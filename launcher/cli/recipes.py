@@ -35,8 +35,9 @@ def main(argv: list[str]) -> int:
     if args.name:
         return show(args)
     rows = [["name", "family", "kind", "gpus", "layout", "hf model"]]
-    files = [load_recipe(name) for name in available_recipes()]
-    rows += [[r.name, "(file)", r.kind or "-", "-", "-", r.hf_model or "-"] for r in files]
+    if args.family is None and args.kind is None:  # a file's family and kind are its function's
+        files = [load_recipe(name) for name in available_recipes()]
+        rows += [[r.name, "(file)", r.kind or "-", "-", "-", r.hf_model or "-"] for r in files]
     listed = [
         r
         for r in bridge_recipes()
