@@ -238,8 +238,8 @@ def test_unknown_recipe_lists_the_files_and_suggests_bridge_s_own(capsys):
     assert main(["--recipe", "gpt_huge"]) == 2
     err = capsys.readouterr().err
     assert (
-        "unknown recipe 'gpt_huge': not a file under recipes/ (deepseek_v2_lite, gpt_small, gpt_small_text, llama3_8b, "
-        in err
+        "unknown recipe 'gpt_huge': not a file under recipes/ (deepseek_v2_lite, gpt_small, gpt_small_text, "
+        "llama3_8b, " in err
     )
     assert "`megaray recipes` lists them all" in err and err.count("\n") == 1
     assert main(["--recipe", "llama3_8b_pretrain_2gpu_h100_bf16", "--check"]) == 2
