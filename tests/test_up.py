@@ -146,7 +146,7 @@ def test_a_warm_pool_runs_programs_as_a_cold_start_refills_and_gives_back_when_i
         cold_log, cold = probe_run(env, tmp_path, "cold")
         assert "taking the warm pool" not in cold_log
         assert megaray(env, "down").returncode == 0
-        up = megaray(env, "up", "--gpus-per-node", "2", "--warm", "--idle-timeout", "25")
+        up = megaray(env, "up", "--gpus-per-node", "2", "--warm", "--idle-timeout", "12")
         assert up.returncode == 0 and "with a warm pool" in up.stderr, up.stderr[-2000:]
         listed = megaray(env, "list")
         assert re.search(
@@ -161,7 +161,7 @@ def test_a_warm_pool_runs_programs_as_a_cold_start_refills_and_gives_back_when_i
         again_log, again = probe_run(env, tmp_path, "again")  # the pool was refilled after the last launch
         assert "taking the warm pool" in again_log and again == cold
         # the pool refilled after that launch gives its bundles back when unclaimed for --idle-timeout
-        time.sleep(30)
+        time.sleep(16)
         idle_log, after_idle = probe_run(env, tmp_path, "after-idle")
         assert "the warm pool is not there" in idle_log and after_idle == cold
     finally:
