@@ -64,7 +64,7 @@ def megaray_up(ranks: int, *extra: str):
         shutil.rmtree(state, ignore_errors=True)
 
 
-def measure(n: int, wanted: list[str], repeats: int, address: str, state: str, warm: str) -> dict:
+def commands(n: int, wanted: list[str], address: str, state: str, warm: str) -> dict[str, list[str]]:
     megaray = [
         PY,
         str(REPO / "main.py"),
@@ -82,25 +82,37 @@ def measure(n: int, wanted: list[str], repeats: int, address: str, state: str, w
         "megaray-up-warm": ["env", f"MEGARAY_STATE_DIR={warm}", *megaray],
         "megaray-own-ray": megaray,
     }
-    modes = {m: cmd for m, cmd in modes.items() if m in wanted}
+    return {m: cmd for m, cmd in modes.items() if m in wanted}
+
+
+def measure(
+    n: int, wanted: list[str], repeats: int, address: str, state: str, warm: str, to_first_step: bool = False
+) -> dict:
+    """Every mode `repeats` times, interleaved (drift on a shared machine hits all): to the barrier, or
+    with `to_first_step` to the dry-run trainer's first step."""
+    modes = commands(n, wanted, address, state, warm)
     times: dict[str, list[float]] = {m: [] for m in modes}
     cpus: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(repeats):
-        for mode, cmd in modes.items():  # interleaved, so drift on a shared machine hits all
-            seconds, cpu = one(cmd, n)
-            times[mode].append(seconds)
-            cpus[mode].append(cpu)
+        for mode, cmd in modes.items():
+            if to_first_step:
+                times[mode].append(first_step(cmd, mode != "torchrun"))
+            else:
+                seconds, cpu = one(cmd, n)
+                times[mode].append(seconds)
+                cpus[mode].append(cpu)
     base = median(times["torchrun"])
-    print(f"{n} ranks:", flush=True)
+    to = ", to the dry-run trainer's first step" if to_first_step else ""
+    print(f"{n} ranks{to}:", flush=True)
     for mode, ts in times.items():
         diff = (
             ""
             if mode == "torchrun"
             else f"  {median(ts) - base:+.2f} s vs torchrun ({median(ts) / base:.2f}x)"
         )
-        cpu = f"; a rank's CPU by the barrier {median(cpus[mode]):.2f} s"
+        cpu = f"; a rank's CPU by the barrier {median(cpus[mode]):.2f} s" if cpus[mode] else ""
         print(f"  {mode:17s} {summary(ts)} s{diff}{cpu}", flush=True)
-    return {m: {"seconds": times[m], "rank_cpu": cpus[m]} for m in modes}
+    return {m: {"seconds": times[m], **({"rank_cpu": cpus[m]} if cpus[m] else {})} for m in modes}
 
 
 def first_step(cmd: list[str], megaray: bool) -> float:
@@ -122,41 +134,6 @@ def first_step(cmd: list[str], megaray: bool) -> float:
         shutil.rmtree(out, ignore_errors=True)
 
 
-def measure_first_step(n: int, wanted: list[str], repeats: int, address: str, state: str, warm: str) -> dict:
-    megaray = [
-        PY,
-        str(REPO / "main.py"),
-        "--device",
-        "cpu",
-        "--cpus-per-rank",
-        "0.1",
-        "--gpus-per-node",
-        str(n),
-    ]
-    modes = {
-        "torchrun": [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)],
-        "megaray-attached": [*megaray, "--address", address],
-        "megaray-up": ["env", f"MEGARAY_STATE_DIR={state}", *megaray],
-        "megaray-up-warm": ["env", f"MEGARAY_STATE_DIR={warm}", *megaray],
-        "megaray-own-ray": megaray,
-    }
-    modes = {m: cmd for m, cmd in modes.items() if m in wanted}
-    times: dict[str, list[float]] = {m: [] for m in modes}
-    for _ in range(repeats):
-        for mode, cmd in modes.items():
-            times[mode].append(first_step(cmd, mode != "torchrun"))
-    base = median(times["torchrun"])
-    print(f"{n} ranks, to the dry-run trainer's first step:", flush=True)
-    for mode, ts in times.items():
-        diff = (
-            ""
-            if mode == "torchrun"
-            else f"  {median(ts) - base:+.2f} s vs torchrun ({median(ts) / base:.2f}x)"
-        )
-        print(f"  {mode:17s} {summary(ts)} s{diff}", flush=True)
-    return {m: {"seconds": times[m]} for m in modes}
-
-
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser()
     parser.add_argument("--ranks", type=int, nargs="+", default=[2, 4, 8, 16])
@@ -164,7 +141,6 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--first-step", action="store_true", help="to the dry-run trainer's first step")
     args = parser.parse_args(argv)
-    run = measure_first_step if args.first_step else measure
     results: dict = {}
     up = megaray_up(max(args.ranks)) if "megaray-up" in args.modes else contextlib.nullcontext("")
     with ray_cluster(nodes=1, cpus_per_node=max(args.ranks)) as address, up as state:
@@ -175,7 +151,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if "megaray-up-warm" in args.modes
                 else contextlib.nullcontext("") as warm
             ):
-                results[n] = run(n, args.modes, args.repeats, address, state, warm)
+                results[n] = measure(n, args.modes, args.repeats, address, state, warm, args.first_step)
     return results
 
 
