@@ -248,6 +248,13 @@ def test_missing_targets_are_caught_in_the_driver(tmp_path):
         check_target_locally(Target("entrypoint", "nosuchmod:f"), str(tmp_path))
     with pytest.raises(UsageError, match=r"script nope\.py not found"):
         check_target_locally(Target("script", "nope.py"), str(tmp_path))
+    dry = Target(DRY_RUN_TARGET.kind, DRY_RUN_TARGET.name, ("data=d/corpus",))
+    with pytest.raises(UsageError, match=r"--dry-run data=d/corpus: no d/corpus\.bin and \.idx"):
+        check_target_locally(dry, str(tmp_path))
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "corpus.bin").write_bytes(b"")
+    (tmp_path / "d" / "corpus.idx").write_bytes(b"")
+    check_target_locally(dry, str(tmp_path))  # relative to the launch's working directory, as ranks read it
 
 
 def test_missing_script_exits_2_before_any_ray(tmp_path, monkeypatch, capsys):

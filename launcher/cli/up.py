@@ -11,7 +11,7 @@ import time
 from collections.abc import Iterator
 
 from ..core.args import ArgumentParser
-from ..core.errors import UsageError
+from ..core.errors import MegarayError, UsageError
 
 log = logging.getLogger("megaray")
 
@@ -54,11 +54,11 @@ def main(command: str, argv: list[str]) -> int:
     args = build_parser(command).parse_args(argv)
     if command == "up":
         return _up(args)
+    from ..driver import pool
+
     address = args.address or os.environ.get("RAY_ADDRESS")
     standing = up.running()
     if address:  # down --address: the cluster's pool
-        from ..driver import pool
-
         with _connected(address):
             layout = pool.drop()
         if layout is None:
@@ -69,10 +69,11 @@ def main(command: str, argv: list[str]) -> int:
     if standing is None:
         log.info("no `megaray up` is running")
         return 0
-    from ..driver import pool
-
-    with _connected(standing.address):
-        pool.drop()  # its detached processes would hold up the node's own stop for 30 s
+    try:
+        with _connected(standing.address):
+            pool.drop()  # its detached processes would hold up the node's own stop for 30 s
+    except MegarayError as e:  # the nodes are stopped all the same
+        log.warning("could not give the warm pool back first (%s); stopping the nodes", e)
     left = up.stop(standing)
     killed = f" (killed {len(left)} process(es) that did not stop on SIGTERM)" if left else ""
     log.info("stopped the local Ray at %s%s", standing.describe(), killed)

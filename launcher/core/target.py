@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
 
+from .dataset_paths import missing_data
 from .errors import UsageError
 from .recipes import Recipe
 from .refs import FUNCTION_REF, split_ref
@@ -96,15 +97,10 @@ def check_target_locally(target: Target, cwd: str) -> None:
     """
     if target.kind is TargetKind.DRYRUN:
         prefix = parse_dry_run_options(target.args).get("data")
-        missing = [
-            prefix + s
-            for s in (".bin", ".idx")
-            if prefix and not os.path.isfile(os.path.join(cwd, prefix + s))
-        ]
-        if missing:
+        if prefix and missing_data([os.path.join(cwd, prefix)]):
             raise UsageError(
-                f"--dry-run data={prefix}: no {missing[0]} (looked in {cwd}); give the prefix of a Megatron "
-                "indexed dataset, which `python examples/data/prepare.py` makes from a text file"
+                f"--dry-run data={prefix}: no {prefix}.bin and .idx (looked in {cwd}); give the prefix of a "
+                "Megatron indexed dataset, which `python examples/data/prepare.py` makes from a text file"
             )
         return
     if target.kind is TargetKind.SCRIPT:
