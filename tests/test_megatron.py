@@ -105,6 +105,18 @@ def test_override_values_must_fit_the_declared_type(capsys):
     assert "micro_batch_size takes int or None, got 'xyz'" in err and "Traceback" not in err
 
 
+def test_check_prints_only_what_megaray_found():
+    # megatron-core and bridge warn ~30 lines about the driver's machine as they import (no TE, no
+    # Apex, no CUDA runtime): the preflight's own lines are what a user reads.
+    import subprocess
+
+    p = subprocess.run([sys.executable, "main.py", "--recipe", "gpt_small", "--check"], cwd=REPO,
+                       capture_output=True, text=True, timeout=180)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert all(line.startswith("megaray: ") for line in p.stderr.splitlines()), p.stderr[:3000]
+    assert "memory 44.2 GiB per GPU" in p.stderr
+
+
 def test_an_hf_config_that_cannot_be_had_offline_exits_2_at_once(tmp_path):
     import subprocess
     import sys

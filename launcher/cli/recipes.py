@@ -33,7 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     if args.name:
-        return show(args)
+        from ..megatron.preflight import quiet_megatron
+
+        with quiet_megatron():
+            return show(args)
     rows = [["name", "family", "kind", "gpus", "layout", "hf model"]]
     if args.family is None and args.kind is None:  # a file's family and kind are its function's
         files = [load_recipe(name) for name in available_recipes()]

@@ -6,8 +6,11 @@ megatron-bridge for this; without it the launch goes on and the ranks find out t
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +34,31 @@ class Plan:
     facts: TrainingFacts
 
 
+@contextlib.contextmanager
+def quiet_megatron() -> Iterator[None]:
+    """Megatron-core and bridge warn, as they import and build, about what this machine lacks
+    (TransformerEngine, Apex, a CUDA runtime, a process group): about 30 lines before the preflight's
+    own, and about the driver's machine, not the ranks' (which print theirs in their logs). What
+    matters for the launch is said in the preflight's notes (`no TransformerEngine here: ...`)."""
+    loggers = [logging.getLogger(name) for name in ("megatron", "torch.utils.cpp_extension")]
+    levels = [lg.level for lg in loggers]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for lg in loggers:
+            lg.setLevel(logging.ERROR)
+        try:
+            yield
+        finally:
+            for lg, level in zip(loggers, levels, strict=True):
+                lg.setLevel(level)
+
+
 def preflight(spec: LaunchSpec) -> Plan | None:
+    with quiet_megatron():
+        return _preflight(spec)
+
+
+def _preflight(spec: LaunchSpec) -> Plan | None:
     target = spec.target
     if target.kind is not TargetKind.MEGATRON or target.recipe is None:
         return None
