@@ -160,8 +160,12 @@ def test_a_warm_pool_runs_programs_as_a_cold_start_refills_and_gives_back_when_i
         assert warm[0]["modules"] == ["probepkg", "probepkg.helper"] and warm[0]["helper_runs"] == 1
         again_log, again = probe_run(env, tmp_path, "again")  # the pool was refilled after the last launch
         assert "taking the warm pool" in again_log and again == cold
-        # the pool refilled after that launch gives its bundles back when unclaimed for --idle-timeout
-        time.sleep(16)
+        # the pool refilled after that launch (it imports first) gives its bundles back when unclaimed
+        # for --idle-timeout; `megaray list` says so
+        deadline = time.monotonic() + 120
+        while "given back" not in (listed := megaray(env, "list").stdout):
+            assert time.monotonic() < deadline, listed
+            time.sleep(2)
         idle_log, after_idle = probe_run(env, tmp_path, "after-idle")
         assert "the warm pool is not there" in idle_log and after_idle == cold
     finally:
