@@ -31,6 +31,11 @@ def _is_number(text: str) -> bool:
         return False
 
 
+def is_local_path(text: str | None) -> bool:
+    """A path on this machine, as opposed to an HF id such as org/model (which also has a slash)."""
+    return bool(text) and text.startswith(("/", "./", "../", "~"))
+
+
 def missing_data(
     prefixes: Iterable[str], dataset_root: str | None = None, files: Iterable[tuple[str, str]] = ()
 ) -> list[str]:
@@ -44,7 +49,6 @@ def missing_data(
     if dataset_root and not os.path.isdir(dataset_root):
         out.append(f"dataset.dataset_root {dataset_root} is not a folder")
     for setting, path in files:
-        local = bool(path) and path.startswith(("/", "./", "../", "~"))  # not an HF id such as org/model
-        if local and not os.path.exists(os.path.expanduser(path)):
+        if is_local_path(path) and not os.path.exists(os.path.expanduser(path)):
             out.append(f"{setting} {path} does not exist")
     return out

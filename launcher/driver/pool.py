@@ -132,7 +132,8 @@ def take(spec: LaunchSpec, stop: StopSignal) -> Taken | None:
     layout = recorded()
     if layout is None:
         return None
-    if (job := _taken_by()) is not None and _groups(layout):  # a launch runs in it: never give it back
+    groups = _groups(layout)
+    if (job := _taken_by()) is not None and groups:  # a launch runs in it: never give it back
         log.info("the warm pool is in use by job %s: this launch starts cold", job)
         return None
     if not layout.fits(spec):
@@ -142,7 +143,6 @@ def take(spec: LaunchSpec, stop: StopSignal) -> Taken | None:
                 layout.describe(),
             )
         return None
-    groups = _groups(layout)
     by_bundle = _actors(layout)
     if by_bundle is None or len(groups) < layout.nodes:
         give_back(layout)  # a part of it, if any: this launch needs the room

@@ -122,9 +122,11 @@ def set_vocab_from_tokenizer(cfg: Any) -> None:
     """A model whose vocab size comes from its tokenizer (`model.vocab_size: null`) gets it as bridge's
     pretrain() will give it, so that the memory estimate and the FLOPs have it; only for a tokenizer
     on this machine, which loads in a moment (a hub id could mean a download)."""
+    from ..core.dataset_paths import is_local_path
+
     model, tok = cfg.model, cfg.tokenizer
     local = str(getattr(tok, "tokenizer_model", None) or "")
-    if model.vocab_size is not None or not local.startswith(("/", "./", "../", "~")):
+    if model.vocab_size is not None or not is_local_path(local):
         return
     from megatron.bridge.training.setup import _validate_and_set_vocab_size
     from megatron.bridge.training.tokenizers.tokenizer import build_tokenizer
