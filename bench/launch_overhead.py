@@ -18,6 +18,7 @@ import json
 import shutil
 import subprocess
 import tempfile
+import time
 from pathlib import Path
 
 from common import PY, REPO, clean_env, median, ray_cluster, summary, timed
@@ -28,12 +29,13 @@ STEPS = "steps=3"
 MODES = ("torchrun", "megaray-attached", "megaray-up", "megaray-up-warm", "megaray-own-ray")
 
 
-def one(cmd: list[str], ranks: int) -> tuple[float, float]:
-    """Seconds from starting `cmd` to the last rank past the barrier, and the median CPU seconds a
-    rank's process had used by then."""
+def one(cmd: list[str], ranks: int) -> tuple[float, float, float]:
+    """Seconds from starting `cmd` to the last rank past the barrier, the median CPU seconds a
+    rank's process had used by then, and seconds until the command itself exited."""
     out = Path(tempfile.mkdtemp(prefix="megaray-barrier-"))
     try:
         t0, p = timed([*cmd, TARGET, "--out", str(out)])
+        ended = time.time()
         if p.returncode != 0:
             raise RuntimeError(
                 f"{' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-3000:]}{p.stderr[-3000:]}"
@@ -41,7 +43,7 @@ def one(cmd: list[str], ranks: int) -> tuple[float, float]:
         stamps = [tuple(map(float, f.read_text().split())) for f in out.iterdir()]
         if len(stamps) != ranks:
             raise RuntimeError(f"{len(stamps)} of {ranks} ranks reported")
-        return max(at for at, _ in stamps) - t0, median([cpu for _, cpu in stamps])
+        return max(at for at, _ in stamps) - t0, median([cpu for _, cpu in stamps]), ended - t0
     finally:
         shutil.rmtree(out, ignore_errors=True)
 
@@ -93,14 +95,16 @@ def measure(
     modes = commands(n, wanted, address, state, warm)
     times: dict[str, list[float]] = {m: [] for m in modes}
     cpus: dict[str, list[float]] = {m: [] for m in modes}
+    exits: dict[str, list[float]] = {m: [] for m in modes}
     for _ in range(repeats):
         for mode, cmd in modes.items():
             if to_first_step:
                 times[mode].append(first_step(cmd, mode != "torchrun"))
             else:
-                seconds, cpu = one(cmd, n)
+                seconds, cpu, exited = one(cmd, n)
                 times[mode].append(seconds)
                 cpus[mode].append(cpu)
+                exits[mode].append(exited)
     base = median(times["torchrun"])
     to = ", to the dry-run trainer's first step" if to_first_step else ""
     print(f"{n} ranks{to}:", flush=True)
@@ -111,8 +115,15 @@ def measure(
             else f"  {median(ts) - base:+.2f} s vs torchrun ({median(ts) / base:.2f}x)"
         )
         cpu = f"; a rank's CPU by the barrier {median(cpus[mode]):.2f} s" if cpus[mode] else ""
-        print(f"  {mode:17s} {summary(ts)} s{diff}{cpu}", flush=True)
-    return {m: {"seconds": times[m], **({"rank_cpu": cpus[m]} if cpus[m] else {})} for m in modes}
+        ended = ""
+        if exits[mode]:
+            ratio = median(exits[mode]) / median(exits["torchrun"])
+            ended = f"; command exited at {median(exits[mode]):.2f} s ({ratio:.2f}x)"
+        print(f"  {mode:17s} {summary(ts)} s{diff}{cpu}{ended}", flush=True)
+    return {
+        m: {"seconds": times[m], **({"rank_cpu": cpus[m], "exit_seconds": exits[m]} if cpus[m] else {})}
+        for m in modes
+    }
 
 
 def first_step(cmd: list[str], megaray: bool) -> float:

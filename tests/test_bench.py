@@ -21,8 +21,9 @@ def test_launch_overhead_runs_every_mode(capsys):
     assert set(results[2]) == set(modes)
     assert all(len(v["seconds"]) == 1 and v["seconds"][0] > 0 for v in results[2].values())
     assert all(v["rank_cpu"][0] > 0 for v in results[2].values())
+    assert all(v["exit_seconds"][0] >= v["seconds"][0] for v in results[2].values())
     out = capsys.readouterr().out
-    assert "s vs torchrun" in out and "a rank's CPU by the barrier" in out
+    assert "s vs torchrun" in out and "a rank's CPU by the barrier" in out and "command exited at" in out
 
 
 def test_control_plane_reports_each_phase(capsys):

@@ -65,6 +65,7 @@ def test_two_cpu_ranks_get_the_torchrun_contract_and_all_reduce(out, capsys):
             "default",
         )
         assert e["TORCHELASTIC_RUN_ID"] == "envcpu" and e["TORCHELASTIC_RESTART_COUNT"] == "0"
+        assert e["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # rank 0's process serves the store
         assert (e["OMP_NUM_THREADS"], e["TORCH_NCCL_ASYNC_ERROR_HANDLING"]) == ("1", "1")
         assert e["CUDA_VISIBLE_DEVICES"] == ""  # CPU mode: no GPU is visible to the program
         assert s["argv"] == ["tests.targets", "a", "--b"]
@@ -393,6 +394,54 @@ def test_ranks_end_like_processes_atexit_and_threads_run_as_under_torchrun(tmp_p
     # what the handlers print on the way out reaches the rank's log, as torchrun's console shows it
     assert "rank 1 says goodbye from atexit" in (tmp_path / "exitprobe" / "rank-1.log").read_text()
     assert leftovers("exitprobe") == ([], [])
+
+
+STORE_PROBE = """
+import json, os, sys, time
+from datetime import timedelta
+rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+if rank == 0:
+    time.sleep(1.5)  # rank 0 late: the others reach the store before its program has imported torch
+import torch, torch.distributed as dist
+addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+dist.init_process_group("gloo", timeout=timedelta(seconds=60))  # env://: the launcher's store
+# as older scripts do: their own master store on MASTER_PORT (under torchrun, the agent's store)
+own = dist.TCPStore(addr, port, world, rank == 0, timedelta(seconds=60))
+own.set(f"hello{rank}", str(rank))
+dist.barrier()
+t = torch.ones(1)
+dist.all_reduce(t)
+seen = {"said": [own.get(f"hello{r}").decode() for r in range(world)], "sum": t.item(),
+        "agent_store": os.environ.get("TORCHELASTIC_USE_AGENT_STORE")}
+json.dump(seen, open(os.path.join(sys.argv[1], f"rank{rank}"), "w"))
+dist.barrier()
+dist.destroy_process_group()
+"""
+
+
+def test_the_store_is_served_before_programs_start_and_shared_as_torchrun_s_agent_store(tmp_path):
+    """Ranks that reach the rendezvous before rank 0's program has imported torch are served once it
+    has, and a program's own master store on MASTER_PORT joins that store: torchrun's agent store."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "store_probe.py"
+    script.write_text(STORE_PROBE)
+    seen = {}
+    for launcher in ("torchrun", "megaray"):
+        out = tmp_path / launcher
+        out.mkdir()
+        if launcher == "torchrun":
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+            p = subprocess.run([*cmd, str(script), str(out)], capture_output=True, text=True)
+            assert p.returncode == 0, p.stderr[-3000:]
+        else:
+            args = ["--device", "cpu", "--gpus-per-node", "2", "--runs-dir", str(tmp_path), str(script)]
+            assert launch("storeprobe", *args, str(out)) == 0
+        seen[launcher] = [json.loads((out / f"rank{r}").read_text()) for r in range(2)]
+    assert seen["megaray"] == seen["torchrun"]
+    assert seen["megaray"][1] == {"said": ["0", "1"], "sum": 2.0, "agent_store": "True"}
+    assert leftovers("storeprobe") == ([], [])
 
 
 def test_a_process_still_exiting_after_the_grace_is_killed_and_named(tmp_path, capsys):

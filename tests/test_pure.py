@@ -29,11 +29,11 @@ from launcher.rank.probes import wait_gone
 from launcher.rank.warmup import warm
 
 # What torchrun exports to each worker (torch/distributed/elastic/agent/server/local_elastic_agent.py),
-# less the agent-store and error-file variables that only its own agent uses.
+# less the error-file and signal variables that only its own agent reads.
 TORCHRUN_KEYS = {
     "RANK", "LOCAL_RANK", "GROUP_RANK", "ROLE_RANK", "ROLE_NAME", "LOCAL_WORLD_SIZE", "WORLD_SIZE",
     "GROUP_WORLD_SIZE", "ROLE_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RESTART_COUNT",
-    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID",
+    "TORCHELASTIC_MAX_RESTARTS", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_USE_AGENT_STORE",
 }  # fmt: skip
 
 
@@ -127,6 +127,7 @@ def test_contract_covers_torchrun_and_numbers_are_right():
     assert (env["RANK"], env["LOCAL_RANK"], env["GROUP_RANK"], env["NODE_RANK"]) == ("3", "1", "1", "1")
     assert (env["WORLD_SIZE"], env["LOCAL_WORLD_SIZE"], env["GROUP_WORLD_SIZE"]) == ("4", "2", "2")
     assert (env["MASTER_ADDR"], env["MASTER_PORT"]) == ("10.0.0.1", "29511")
+    assert env["TORCHELASTIC_USE_AGENT_STORE"] == "True"  # the string torch compares with
 
 
 def test_env_precedence_and_every_change_of_a_node_value_is_logged():

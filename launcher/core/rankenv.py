@@ -40,6 +40,7 @@ CONTRACT_KEYS = (
     "TORCHELASTIC_RUN_ID",
     "TORCHELASTIC_RESTART_COUNT",
     "TORCHELASTIC_MAX_RESTARTS",
+    "TORCHELASTIC_USE_AGENT_STORE",
     "CUDA_VISIBLE_DEVICES",
 )
 
@@ -81,6 +82,9 @@ def contract_env(
         "TORCHELASTIC_RUN_ID": run_id,
         "TORCHELASTIC_RESTART_COUNT": restart_count,
         "TORCHELASTIC_MAX_RESTARTS": max_restarts,
+        # rank 0's process serves the store at MASTER_ADDR:MASTER_PORT before any program runs, as
+        # torchrun's agent does (rank/store.py): every rank's env:// rendezvous is then its client
+        "TORCHELASTIC_USE_AGENT_STORE": True,
         "CUDA_VISIBLE_DEVICES": visible_devices,
     }
     return {k: str(v) for k, v in env.items()}

@@ -4,6 +4,7 @@ actor in its bundle, a helper pinned to one node, and kills that never raise."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -29,10 +30,8 @@ def start_rank_actor(
 ) -> Any:
     """One RankActor in bundle `bundle` of placement group `group`, named for `ray list actors`.
     `pooled`: a warm pool's actor (driver/pool.py), detached, importing as it starts."""
-    from ..rank.actor import RankActor
-
     return (
-        ray.remote(RankActor)
+        _rank_actor_class()
         .options(
             name=name,
             namespace=NAMESPACE,
@@ -44,6 +43,15 @@ def start_rank_actor(
         )
         .remote(job, rank, node_ip, pooled)
     )
+
+
+@functools.cache
+def _rank_actor_class() -> Any:
+    """One Ray actor class for every rank: Ray exports (pickles and disassembles) each new one, about
+    60 ms a rank on a 2-core machine."""
+    from ..rank.actor import RankActor
+
+    return ray.remote(RankActor)
 
 
 def on_node(node_id: str) -> dict[str, Any]:

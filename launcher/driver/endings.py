@@ -8,6 +8,11 @@ import dataclasses
 import logging
 import os
 import socket
+import threading
+import time
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import wait as wait_futures
 from typing import TYPE_CHECKING, Any
 
 import ray
@@ -53,19 +58,32 @@ def exit_gracefully(
     """Watch the processes of ranks told to exit end as Python processes do (non-daemon threads
     joined, atexit handlers run: trackers flush, uploads finish), each by a task on its node; kill
     and name those still running after `grace_s`; then what they printed on the way out reaches
-    the sink. Ctrl-C stops the wait."""
+    the sink. Ctrl-C stops the wait.
+
+    The ranks on the driver's own node are watched from the driver, in a thread: a task there would
+    first wait for Ray to start a worker process, about a second on a small machine."""
     by_node = _by_node(handles)
+    here = ray.get_runtime_context().get_node_id()
     task = ray.remote(exit_and_ship)
-    refs = {
-        node: task.options(**on_node(node)).remote([h.report.pid for h in hs], grace_s, sink, _spools(hs))
-        for node, hs in by_node.items()
-    }
-    wait_all(list(refs.values()), grace_s + 60, stop)
+    watches: dict[str, Any] = {}  # node -> the task's ref, or the driver thread's future
+    for node, hs in by_node.items():
+        args = ([h.report.pid for h in hs], grace_s, sink, _spools(hs))
+        if node == here:
+            watches[node] = _in_thread(exit_and_ship, *args)
+        else:
+            watches[node] = task.options(**on_node(node)).remote(*args)
+    deadline = time.monotonic() + grace_s + 60
+    wait_all([w for w in watches.values() if not isinstance(w, Future)], grace_s + 60, stop)
+    for w in watches.values():
+        if isinstance(w, Future):
+            while not w.done() and time.monotonic() < deadline:
+                stop.check()
+                wait_futures([w], timeout=0.25)
     killed = []
-    for node, ref in refs.items():
+    for node, w in watches.items():
         try:
-            took = ray.get(ref, timeout=0)
-        except ray.exceptions.RayError as e:
+            took = w.result(timeout=0) if isinstance(w, Future) else ray.get(w, timeout=0)
+        except (ray.exceptions.RayError, FutureTimeout, OSError) as e:
             log.warning("could not watch the ranks on node %s exit: %s", node[:8], first_line(e))
             continue
         killed += [h.slot.rank for h, t in zip(by_node[node], took, strict=True) if t is None]
@@ -75,6 +93,19 @@ def exit_gracefully(
             "rank(s) %s still running %gs after the program returned (%s): killed; give them longer "
             "with --exit-grace", format_rank_ranges(killed), grace_s, ", ".join(still) or "exit handlers",
         )  # fmt: skip
+
+
+def _in_thread(fn: Any, *args: Any) -> Future:
+    future: Future = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(fn(*args))
+        except BaseException as e:
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="megaray-exit-watch", daemon=True).start()
+    return future
 
 
 def died(h: RankHandle, handles: tuple[RankHandle, ...], ray_message: str, lost: dict[str, bool]) -> str:

@@ -19,6 +19,7 @@ import ray
 from ..core.errors import (
     ClusterError,
     Interrupted,
+    MegarayError,
     RankFailedError,
     RankFailure,
     ResourceError,
@@ -202,19 +203,24 @@ class RankGang:
                 self.slots, self.actors, self.reports, decisions, self.replaced_pids, strict=True
             )
         )
-        envs = ray.get(
-            [
-                h.actor.setup.remote(
-                    h.env.to_set,
-                    sink,
-                    h.report.gpu_ids if self.adopted else None,
-                    h.replaces_pid,
-                    h.spool,
-                    h.slot.rank,
-                )
-                for h in self.handles
-            ]
-        )
+        refs = [
+            h.actor.setup.remote(
+                h.env.to_set,
+                sink,
+                h.report.gpu_ids if self.adopted else None,
+                h.replaces_pid,
+                h.spool,
+                h.slot.rank,
+                host_store=h.slot.rank == 0,
+            )
+            for h in self.handles
+        ]
+        try:
+            envs = ray.get(refs)
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, MegarayError):
+                raise e.cause from None
+            raise
         self.mark("env_set")
         self.master = master
         log_topology(self.ranks, self.master)

@@ -21,6 +21,7 @@ from typing import Any
 
 import ray
 
+from ..core.errors import ClusterError
 from ..core.refs import load_function, split_ref
 from ..core.target import Target, TargetKind
 from ..core.topology import RankReport, candidate_ports
@@ -49,6 +50,7 @@ class RankActor:
         self.gpu_ids = [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])]
         self.node_id = ctx.get_node_id()
         self.capture = None
+        self.store_host = None  # rank 0's: the rendezvous store (rank/store.py)
         self.claimed_by: str | None = None
         if pooled:  # a warm pool's process (driver/pool.py): import now, give the bundle back when idle
             from .warmup import expire_when_idle, warm
@@ -128,10 +130,12 @@ class RankActor:
         replaces_pid: int | None = None,
         spool: str | None = None,
         rank: int | None = None,
+        host_store: bool = False,
     ) -> dict[str, str]:
         """Apply the rank's env before any framework is imported, and send this process's output to
         `sink` (a launch's OutputSink, driver/relay.py) from here on, through the file `spool` on this
-        node (rank/spool.py). Returns the whole environment the rank now has.
+        node (rank/spool.py). Rank 0 (`host_store`) takes MASTER_PORT for the rendezvous store it
+        serves (rank/store.py). Returns the whole environment the rank now has.
 
         A spare taking over a rank gets the rank's `gpu_ids` (it holds none of its own; the bundle
         does) and first waits for the old rank's process (`replaces_pid`, on this node) to be gone,
@@ -143,6 +147,17 @@ class RankActor:
             self.gpu_ids = list(gpu_ids)
         if replaces_pid is not None:
             wait_gone(replaces_pid, REPLACED_EXIT_TIMEOUT_S)
+        if host_store and self.store_host is None:
+            from .store import PortTaken, StoreHost
+
+            addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
+            try:
+                self.store_host = StoreHost(addr, port)
+            except PortTaken as e:
+                raise ClusterError(
+                    f"MASTER_PORT {port} on {addr} was taken by another process after megaray found it "
+                    f"free ({e}): launch again, or choose a port with --master-port"
+                ) from None
         os.environ.update(env)
         # A plain process's SIGTERM, as under torchrun: it ends the rank at once unless the program
         # installs a handler of its own (Megatron-Bridge saves a checkpoint in one). Ray's worker
