@@ -138,13 +138,19 @@ def probe_run(env: dict[str, str], tmp_path: Path, name: str) -> tuple[str, list
     return p.stderr, seen
 
 
-def test_a_warm_pool_runs_programs_as_a_cold_start_refills_and_gives_back_when_idle(env, tmp_path):
+def test_pools_run_programs_as_a_cold_start_refill_and_give_back_when_idle(env, tmp_path):
     import time
 
     try:
-        assert megaray(env, "up", "--gpus-per-node", "2").returncode == 0
-        cold_log, cold = probe_run(env, tmp_path, "cold")
-        assert "taking the warm pool" not in cold_log
+        cold_log, cold = probe_run(env, tmp_path, "cold")  # no `megaray up`: a Ray started for the run
+        assert "starting a local Ray for this run" in cold_log and "taking the" not in cold_log
+        up = megaray(env, "up", "--gpus-per-node", "2")
+        assert up.returncode == 0 and "with a pool (one process per rank, started, nothing imported)" in (
+            up.stderr
+        ), up.stderr[-2000:]
+        started_log, started = probe_run(env, tmp_path, "started")
+        assert "taking the pool (2 processes started, nothing imported)" in started_log
+        assert started == cold
         assert megaray(env, "down").returncode == 0
         up = megaray(env, "up", "--gpus-per-node", "2", "--warm", "--idle-timeout", "12")
         assert up.returncode == 0 and "with a warm pool" in up.stderr, up.stderr[-2000:]

@@ -16,8 +16,8 @@ from ..core.errors import MegarayError, UsageError
 log = logging.getLogger("megaray")
 
 WHAT = {
-    "up": "start a local Ray that launches attach to; with --warm, keep a warm pool (there, or on the "
-    "cluster at --address)",
+    "up": "start a local Ray that launches attach to, holding one started process per rank for the next "
+    "launch; with --warm, with torch imported (there, or on the cluster at --address)",
     "down": "stop the local Ray of `megaray up`; with --address, give back that cluster's warm pool",
 }
 
@@ -43,7 +43,8 @@ def build_parser(command: str) -> argparse.ArgumentParser:
             "--idle-timeout",
             type=float,
             default=1800.0,
-            help="seconds an unclaimed warm pool holds its bundles, then gives them back (default 1800)",
+            help="seconds an unclaimed pool holds its bundles, then gives them back (default 1800; 0: "
+            "until `megaray down`)",
         )
     return p
 
@@ -92,7 +93,7 @@ def _up(args: argparse.Namespace) -> int:
     device = args.device or ("gpu" if args.address else "cpu")
     layout = PoolLayout(
         args.nodes, args.gpus_per_node, device, args.cpus_per_rank, args.idle_timeout,
-        fixed_size=not args.address,
+        fixed_size=not args.address, warm=args.warm,
     )  # fmt: skip
     if args.address:
         if not args.warm:
@@ -116,13 +117,12 @@ def _up(args: argparse.Namespace) -> int:
     if standing is not None:
         log.info("`megaray up` is already running at %s; `megaray down` stops it", standing.describe())
         return 0
-    when_ready = (lambda: keep(layout)) if args.warm else None
-    standing = up.start(args.nodes, args.gpus_per_node, device, args.cpus_per_rank, when_ready)
+    standing = up.start(args.nodes, args.gpus_per_node, device, args.cpus_per_rank, lambda: keep(layout))
     log.info(
-        "started a local Ray at %s%s; launches without --address or RAY_ADDRESS use it until `megaray down`",
-        standing.describe(),
-        ", with a warm pool" if args.warm else "",
-    )
+        "started a local Ray at %s, with a %s (one process per rank, %s); launches without --address or "
+        "RAY_ADDRESS use it until `megaray down`",
+        standing.describe(), layout.kind, layout.holds,
+    )  # fmt: skip
     return 0
 
 
@@ -141,11 +141,11 @@ def show_pools(address: str | None) -> bool:
     with _connected(where):
         layout = pool.recorded()
         if layout is None:
-            print(f"warm pool at {where}: none (`megaray up --warm` keeps one)")
+            print(f"pool at {where}: none (`megaray up` keeps one; `megaray up --warm`, with torch imported)")
         else:
             idle = f"gives its bundles back after {layout.idle_timeout_s:.0f} s unclaimed" if (
                 layout.idle_timeout_s) else "kept until `megaray down`"  # fmt: skip
-            print(f"warm pool at {where}: {layout.describe()}, {pool.state(layout)}; {idle}")
+            print(f"{layout.kind} at {where}: {layout.describe()}, {pool.state(layout)}; {idle}")
     return standing is not None
 
 

@@ -1,6 +1,8 @@
-"""A warm pool across launches (`megaray up --warm`, on its local Ray or with `--address` on a
-cluster): one rank process per slot of a layout, already started by Ray, with torch (and
-megatron-core where installed) imported and CUDA not initialised, in placement groups it holds.
+"""A pool across launches (`megaray up`, `megaray up --warm`; `--warm --address` on a cluster): one
+rank process per slot of a layout, already started by Ray, in placement groups it holds. A warm pool's
+processes have torch (and megatron-core where installed) imported, CUDA not initialised; the pool of a
+plain `megaray up` has imported nothing (a Ray worker's start is about a CPU-second on a small machine,
+the launch's largest cost after the imports, and those stay the program's own).
 
 Warm spares (spares.py) do this within a job, for a restart; the pool does it for the next launch.
 A launch whose layout is the pool's claims it (the first to ask gets it), gives each process its
@@ -48,10 +50,19 @@ class PoolLayout:
     cpus_per_rank: float = 1.0
     idle_timeout_s: float = 1800.0
     fixed_size: bool = True  # the cluster cannot grow (a local Ray): placement fails at once
+    warm: bool = True  # torch (and megatron) imported ahead; else the processes are only started
 
     def describe(self) -> str:
         unit = "GPUs" if self.device == "gpu" else "CPU ranks"
         return f"{self.nodes} node(s) x {self.gpus_per_node} {unit}"
+
+    @property
+    def holds(self) -> str:
+        return "with torch imported" if self.warm else "started, nothing imported"
+
+    @property
+    def kind(self) -> str:
+        return "warm pool" if self.warm else "pool"
 
     def fits(self, spec: LaunchSpec) -> bool:
         return (spec.nodes, spec.gpus_per_node, spec.device) == (
@@ -99,12 +110,14 @@ def _spec(layout: PoolLayout) -> LaunchSpec:
 
 
 def fill(layout: PoolLayout, wait: bool) -> None:
-    """Place the pool's groups (detached) and start one importing process per bundle."""
+    """Place the pool's groups (detached) and start one process per bundle (importing, when warm)."""
     spec = _spec(layout)
     groups = placement.place_groups(spec, POOL, StopSignal(), fixed_size=layout.fixed_size, detached=True)
     _kv()._internal_kv_del(TAKEN, namespace=NAMESPACE)  # a new pool, not taken yet
-    env = {"OMP_NUM_THREADS": "1"} if layout.gpus_per_node > 1 else {}  # what ranks get, before torch
-    imports, idle = warm_steps(DRY_RUN_TARGET), layout.idle_timeout_s  # megatron's skipped if absent
+    # what ranks get, before torch loads; nothing when nothing is imported (setup gives the whole env)
+    env = {"OMP_NUM_THREADS": "1"} if layout.gpus_per_node > 1 and layout.warm else {}
+    imports = warm_steps(DRY_RUN_TARGET) if layout.warm else ()  # megatron's skipped if absent
+    idle = layout.idle_timeout_s
     actors = [
         start_rank_actor(
             f"{POOL}-g{g}b{b}", group, b, job=POOL, rank=g * layout.gpus_per_node + b, node_ip="",
@@ -134,32 +147,34 @@ def take(spec: LaunchSpec, stop: StopSignal) -> Taken | None:
         return None
     groups = _groups(layout)
     if (job := _taken_by()) is not None and groups:  # a launch runs in it: never give it back
-        log.info("the warm pool is in use by job %s: this launch starts cold", job)
+        log.info("the %s is in use by job %s: this launch starts cold", layout.kind, job)
         return None
     if not layout.fits(spec):
         if give_back(layout):
             log.info(
-                "the warm pool is for %s: given back for this launch's layout, which starts cold",
-                layout.describe(),
-            )
+                "the %s is for %s: given back for this launch's layout, which starts cold",
+                layout.kind, layout.describe(),
+            )  # fmt: skip
         return None
     by_bundle = _actors(layout)
     if by_bundle is None or len(groups) < layout.nodes:
         give_back(layout)  # a part of it, if any: this launch needs the room
-        log.info("the warm pool is not there (given back when idle, or in use): this launch starts cold")
+        log.info(
+            "the %s is not there (given back when idle, or in use): this launch starts cold", layout.kind
+        )
         return None
     if _kv()._internal_kv_put(TAKEN, spec.job_name, overwrite=False, namespace=NAMESPACE):
-        log.info("the warm pool is in use by job %s: this launch starts cold", _taken_by())
+        log.info("the %s is in use by job %s: this launch starts cold", layout.kind, _taken_by())
         return None
     claims = [a.claim.remote(spec.job_name) for a in by_bundle.values()]
     if len(wait_all(claims, POOL_READY_S, stop)) < len(claims) or not all(ray.get(claims)):
         _kv()._internal_kv_del(TAKEN, namespace=NAMESPACE)  # the next launch may find it ready
-        log.info("the warm pool is still starting, or another launch took it: this launch starts cold")
+        log.info("the %s is still starting, or another launch took it: this launch starts cold", layout.kind)
         return None
     slots = assign_ranks(order_nodes(placement.resolve_nodes(groups)), spec.gpus_per_node)
     actors = [by_bundle[(slot.group, slot.bundle)] for slot in slots]
     reports = ray.get([a.info.remote() for a in actors])
-    log.info("taking the warm pool (%d processes with torch imported)", len(actors))
+    log.info("taking the %s (%d processes %s)", layout.kind, len(actors), layout.holds)
     return Taken(
         groups, slots, actors, [replace(r, rank=sl.rank) for r, sl in zip(reports, slots, strict=True)]
     )
@@ -211,7 +226,7 @@ def _taken_by() -> str | None:
 
 
 def state(layout: PoolLayout) -> str:
-    """For `megaray list`: ready, in use, importing, or given back."""
+    """For `megaray list`: ready, in use, importing (starting), or given back."""
     groups, actors = _groups(layout), _actors(layout)
     if not groups:
         return "given back (idle, or taken and not refilled yet): the next launch refills it"
@@ -222,5 +237,6 @@ def state(layout: PoolLayout) -> str:
     refs = [a.info.remote() for a in actors.values()]
     ready, _ = ray.wait(refs, num_returns=len(refs), timeout=2.0)
     if len(ready) < len(refs):
-        return f"importing: {len(ready)} of {len(refs)} process(es) ready"
-    return f"ready: {len(refs)} process(es) with torch imported"
+        doing = "importing" if layout.warm else "starting"
+        return f"{doing}: {len(ready)} of {len(refs)} process(es) ready"
+    return f"ready: {len(refs)} process(es) {layout.holds}"
