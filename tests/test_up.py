@@ -46,6 +46,23 @@ def processes_under(path: str) -> list[str]:
     return found
 
 
+def ray_workers_of(path: str) -> list[str]:
+    """The Ray worker processes (actors, tasks; not Ray's agents) of the raylets started under `path`."""
+    raylets = {p.split(":")[0] for p in processes_under(path) if "/raylet " in p}
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                status = (entry / "status").read_text()
+                cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            ppid = next(ln.split()[1] for ln in status.splitlines() if ln.startswith("PPid:"))
+            if ppid in raylets and cmdline.startswith("ray::") and "Agent" not in cmdline:
+                found.append(f"{entry.name}: {cmdline.strip()}")
+    return found
+
+
 def test_up_holds_a_local_ray_that_launches_attach_to_and_down_leaves_nothing(env, tmp_path):
     state = env["MEGARAY_STATE_DIR"]
     try:
@@ -160,6 +177,10 @@ def test_pools_run_programs_as_a_cold_start_refill_and_give_back_when_idle(env, 
         )
         assert re.search(r"warm pool at 127\.0\.0\.1:\d+: 1 node\(s\) x 2 CPU ranks, ready: 2 process",
                          listed.stdout), listed.stdout + listed.stderr  # fmt: skip
+        deadline = time.monotonic() + 60  # the pool: 2 rank processes and the launch's output sink
+        while len(workers := ray_workers_of(env["MEGARAY_STATE_DIR"])) != 3:
+            assert time.monotonic() < deadline, workers
+            time.sleep(0.5)
         warm_log, warm = probe_run(env, tmp_path, "warm")
         assert "taking the warm pool (2 processes with torch imported)" in warm_log
         assert warm == cold  # the program cannot tell: __main__, argv, cwd, env, its modules fresh, threads
@@ -172,6 +193,9 @@ def test_pools_run_programs_as_a_cold_start_refill_and_give_back_when_idle(env, 
         while "given back" not in (listed := megaray(env, "list").stdout):
             assert time.monotonic() < deadline, listed
             time.sleep(2)
+        while workers := ray_workers_of(env["MEGARAY_STATE_DIR"]):
+            assert time.monotonic() < deadline, workers  # the pool's processes and its output sink end
+            time.sleep(1)
         idle_log, after_idle = probe_run(env, tmp_path, "after-idle")
         assert "the warm pool is not there" in idle_log and after_idle == cold
     finally:

@@ -109,6 +109,7 @@ class RankGang:
         self.replaced_pids: list[int | None] = [None] * spec.world_size
         self.adopted = False  # the actors are the previous attempt's warm spares, or the warm pool's
         self.pooled = False  # they are the warm pool's
+        self.pool_sink: Any = None  # the output sink the pool started ahead on the driver's node
         self.handles: tuple[RankHandle, ...] = ()
         self.master: tuple[str, int] = ("", 0)
         self.port_reserved: tuple[str, int] | None = None
@@ -176,6 +177,7 @@ class RankGang:
             taken.actors,
             taken.reports,
         )
+        self.pool_sink = taken.sink
         self.adopted = self.pooled = True
         return True
 

@@ -217,6 +217,7 @@ class Attempt:
             [s.node_rank for s in gang.slots],
             spec.console_ranks,
             self.progress,
+            started=gang.pool_sink,
         )
         envs = gang.start(self.relay.sink)
         self.run.write_topology(gang.master, [dataclasses.asdict(r) for r in gang.ranks])

@@ -38,6 +38,7 @@ from .supervise import StopSignal
 log = logging.getLogger("megaray")
 
 POOL = "megaray-pool"
+SINK = f"{POOL}-sink-"  # + the node id: the output sink started ahead on the node of the driver that filled
 TAKEN = "megaray-pool-taken"  # the job that took the pool now there: a claim every driver sees at once
 POOL_READY_S = 120.0  # a pool still importing (just refilled) is waited for this long, then skipped
 
@@ -122,13 +123,44 @@ def fill(layout: PoolLayout, wait: bool) -> None:
         start_rank_actor(
             f"{POOL}-g{g}b{b}", group, b, job=POOL, rank=g * layout.gpus_per_node + b, node_ip="",
             num_cpus=spec.cpus_per_rank, num_gpus=1 if spec.uses_gpus else 0,
-            pooled={"env": env, "steps": imports, "group": f"{POOL}-node{g}", "idle_timeout_s": idle},
+            pooled={"env": env, "steps": imports, "group": f"{POOL}-node{g}", "idle_timeout_s": idle,
+                    "sinks": SINK},
         )
         for g, group in enumerate(groups)
         for b in range(layout.gpus_per_node)
     ]  # fmt: skip
+    _start_sink()
     if wait:
         ray.get([a.info.remote() for a in actors], timeout=POOL_READY_S)
+
+
+def _start_sink() -> None:
+    """A launch's output sink, started ahead on this driver's node (where the next launch's driver
+    most likely runs: it is used there only): its Ray worker's start is off the next launch's path."""
+    from .relay import start_sink
+
+    try:
+        start_sink(SINK + ray.get_runtime_context().get_node_id(), detached=True).remote()
+    except Exception as e:  # the name is still held by the last one: the next launch starts its own
+        log.debug("no output sink started ahead: %s", e)
+
+
+def _sinks() -> list[str]:
+    return [n for n in ray.util.list_named_actors() if n.startswith(SINK)]
+
+
+def _take_sink() -> object | None:
+    """The pool's sink on this driver's node, if any; the others are stopped (they would idle)."""
+    mine = SINK + ray.get_runtime_context().get_node_id()
+    taken = None
+    for name in _sinks():
+        with contextlib.suppress(ValueError):
+            actor = ray.get_actor(name, namespace=NAMESPACE)
+            if name == mine:
+                taken = actor
+            else:
+                ray.kill(actor, no_restart=True)
+    return taken
 
 
 @dataclass(frozen=True)
@@ -137,6 +169,7 @@ class Taken:
     slots: list[RankSlot]
     actors: list
     reports: list[RankReport]
+    sink: object | None  # the output sink started ahead on this driver's node
 
 
 def take(spec: LaunchSpec, stop: StopSignal) -> Taken | None:
@@ -176,8 +209,9 @@ def take(spec: LaunchSpec, stop: StopSignal) -> Taken | None:
     reports = ray.get([a.info.remote() for a in actors])
     log.info("taking the %s (%d processes %s)", layout.kind, len(actors), layout.holds)
     return Taken(
-        groups, slots, actors, [replace(r, rank=sl.rank) for r, sl in zip(reports, slots, strict=True)]
-    )
+        groups, slots, actors, [replace(r, rank=sl.rank) for r, sl in zip(reports, slots, strict=True)],
+        _take_sink(),
+    )  # fmt: skip
 
 
 def _actors(layout: PoolLayout) -> dict[tuple[int, int], object] | None:
@@ -202,9 +236,12 @@ def _groups(layout: PoolLayout) -> list:
 
 
 def give_back(layout: PoolLayout) -> bool:
-    """Remove the pool's groups (which ends its processes); whether there was any."""
+    """Remove the pool's groups (which ends its processes) and its sinks; whether there were groups."""
     groups = _groups(layout)
     placement.remove_groups(groups)
+    for name in _sinks():
+        with contextlib.suppress(ValueError):
+            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
     return bool(groups)
 
 

@@ -41,11 +41,14 @@ class OutputSink:
     SIGTERM when `stop_ranks()` releases them.
     """
 
-    def __init__(self, run_dir: str, node_of_rank: list[int], console: frozenset[int]):
-        self.dir = Path(run_dir)
-        self.dir.mkdir(parents=True, exist_ok=True)
-        self.node_of_rank = node_of_rank
-        self.console_ranks = console
+    def __init__(
+        self,
+        run_dir: str | None = None,
+        node_of_rank: list[int] | None = None,
+        console: frozenset[int] = frozenset(),
+    ):
+        if run_dir is not None:
+            self.configure(run_dir, node_of_rank or [], console)
         self.files: dict[int, Any] = {}
         self.partial: dict[int, str] = {}
         self.received: dict[int, int] = {}  # bytes of each rank's spool written here
@@ -55,6 +58,13 @@ class OutputSink:
         self.progress: list[dict[str, Any]] = []
         self.writes = 0  # any rank's activity, for the driver's hang detection
         self._stop: asyncio.Event | None = None
+
+    def configure(self, run_dir: str, node_of_rank: list[int], console: frozenset[int]) -> None:
+        """For a launch: a sink started ahead (a pool's, driver/pool.py) learns it here."""
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.node_of_rank = node_of_rank
+        self.console_ranks = console
 
     def _stop_event(self) -> asyncio.Event:
         if self._stop is None:  # created in the actor's event loop, where it is awaited
@@ -133,6 +143,17 @@ class OutputSink:
         return self.drain()
 
 
+def start_sink(name: str, detached: bool = False) -> Any:
+    """The sink actor's class with its options: on the driver's node, which holds the run directory."""
+    return ray.remote(OutputSink).options(
+        name=name,
+        namespace=NAMESPACE,
+        max_restarts=0,
+        lifetime="detached" if detached else None,
+        **on_node(ray.get_runtime_context().get_node_id()),
+    )
+
+
 class OutputRelay:
     """The sink of one attempt, and what the driver has seen of the ranks through it."""
 
@@ -143,14 +164,19 @@ class OutputRelay:
         node_of_rank: list[int],
         console: frozenset[int],
         progress: ProgressView,
+        started: Any = None,
     ):
+        """`started`: a sink already running on the driver's node (a pool's), else one is started."""
         self.progress = progress
-        self.sink: Any = (
-            ray.remote(OutputSink)
-            .options(name=name, namespace=NAMESPACE, max_restarts=0,
-                     **on_node(ray.get_runtime_context().get_node_id()))
-            .remote(str(run_dir.resolve()), node_of_rank, console)
-        )  # fmt: skip
+        self.sink: Any = started
+        if started is not None:
+            try:
+                ray.get(started.configure.remote(str(run_dir.resolve()), node_of_rank, console), timeout=10)
+            except (ray.exceptions.RayError, TimeoutError):
+                kill_actors([started])
+                self.sink = None
+        if self.sink is None:
+            self.sink = start_sink(name).remote(str(run_dir.resolve()), node_of_rank, console)
         self.drain_ref: Any = None
         self.writes_seen = 0  # the sink's count of rank writes and reports, when last drained
         self.last_activity = time.monotonic()

@@ -56,7 +56,7 @@ class RankActor:
             from .warmup import expire_when_idle, warm
 
             self.warmed = warm(pooled["env"], tuple(pooled["steps"]))
-            expire_when_idle(self, pooled["group"], pooled["idle_timeout_s"])
+            expire_when_idle(self, pooled["group"], pooled["idle_timeout_s"], pooled.get("sinks"))
         self.atexit_before = atexit._ncallbacks()
 
     def __repr__(self) -> str:

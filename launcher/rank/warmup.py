@@ -63,9 +63,10 @@ def warm(env: dict[str, str], steps: tuple[str, ...]) -> dict[str, Any]:
     }
 
 
-def expire_when_idle(actor: Any, group_name: str, idle_timeout_s: float) -> None:
-    """A warm pool's process holds its bundle (GPUs too) for `idle_timeout_s` unless a launch claims
-    it; then its placement group is removed, which ends every process of the pool on that node."""
+def expire_when_idle(actor: Any, group_name: str, idle_timeout_s: float, sinks: str | None = None) -> None:
+    """A pool's process holds its bundle (GPUs too) for `idle_timeout_s` unless a launch claims it;
+    then its placement group is removed, which ends every process of the pool on that node, and the
+    pool's output sinks (named `sinks`...) are stopped."""
     if not idle_timeout_s:
         return
 
@@ -77,6 +78,10 @@ def expire_when_idle(actor: Any, group_name: str, idle_timeout_s: float) -> None
 
             with contextlib.suppress(Exception):
                 remove_placement_group(get_placement_group(group_name))
+            for name in ray.util.list_named_actors() if sinks else ():
+                if name.startswith(sinks):
+                    with contextlib.suppress(Exception):
+                        ray.kill(ray.get_actor(name), no_restart=True)
             with contextlib.suppress(Exception):
                 ray.actor.exit_actor()
 
