@@ -1,7 +1,9 @@
 """Launch overhead against torchrun: from the command to every rank past init_process_group and a
 barrier, on CPU with gloo, for megaray attached to a running cluster, megaray with a `megaray up`
-running (no address given), megaray starting its own local Ray, and `torchrun --standalone`,
-measured in the same run, interleaved, repeated.
+running (no address given; the launch takes the processes its pool started), the same with
+`megaray up --warm` (torch imported there), megaray starting its own local Ray, and
+`torchrun --standalone`, measured in the same run, interleaved, repeated. After a launch that took a
+pool, the next measurement waits until the pool is refilled: a refill would take CPU from it.
 
     python bench/launch_overhead.py --ranks 2 4 8 16 --repeats 3
 
@@ -66,6 +68,10 @@ def megaray_up(ranks: int, *extra: str):
         shutil.rmtree(state, ignore_errors=True)
 
 
+def _up_if(ranks: int, wanted: bool, *extra: str):
+    return megaray_up(ranks, *extra) if wanted else contextlib.nullcontext("")
+
+
 def commands(n: int, wanted: list[str], address: str, state: str, warm: str) -> dict[str, list[str]]:
     megaray = [
         PY,
@@ -105,6 +111,8 @@ def measure(
                 times[mode].append(seconds)
                 cpus[mode].append(cpu)
                 exits[mode].append(exited)
+            if mode in ("megaray-up", "megaray-up-warm"):  # its refill done before the next measurement
+                pool_ready(warm if mode == "megaray-up-warm" else state)
     base = median(times["torchrun"])
     to = ", to the dry-run trainer's first step" if to_first_step else ""
     print(f"{n} ranks{to}:", flush=True)
@@ -124,6 +132,21 @@ def measure(
         m: {"seconds": times[m], **({"rank_cpu": cpus[m], "exit_seconds": exits[m]} if cpus[m] else {})}
         for m in modes
     }
+
+
+def pool_ready(state: str, timeout: float = 180) -> None:
+    """Wait until the pool of the `megaray up` in `state` is ready (refilled after the last launch):
+    a refill in the background would otherwise take CPU from whatever is measured meanwhile."""
+    env = {**clean_env(), "MEGARAY_STATE_DIR": state}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        p = subprocess.run([PY, str(REPO / "main.py"), "list"], cwd=REPO, env=env, capture_output=True,
+                           text=True, timeout=60)  # fmt: skip
+        if ", ready: " in p.stdout:
+            time.sleep(1)  # its output sink, started beside it
+            return
+        time.sleep(1)
+    raise RuntimeError(f"the pool of `megaray up` in {state} was not ready within {timeout:g} s")
 
 
 def first_step(cmd: list[str], megaray: bool) -> float:
@@ -153,14 +176,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--first-step", action="store_true", help="to the dry-run trainer's first step")
     args = parser.parse_args(argv)
     results: dict = {}
-    up = megaray_up(max(args.ranks)) if "megaray-up" in args.modes else contextlib.nullcontext("")
-    with ray_cluster(nodes=1, cpus_per_node=max(args.ranks)) as address, up as state:
+    with ray_cluster(nodes=1, cpus_per_node=max(args.ranks)) as address:
         for n in args.ranks:
-            # a warm pool holds one layout: a `megaray up --warm` for each rank count in turn
+            # a pool holds one layout: a `megaray up` (and a `megaray up --warm`) for each rank count
             with (
-                megaray_up(n, "--warm")
-                if "megaray-up-warm" in args.modes
-                else contextlib.nullcontext("") as warm
+                _up_if(n, "megaray-up" in args.modes) as state,
+                _up_if(n, "megaray-up-warm" in args.modes, "--warm") as warm,
             ):
                 results[n] = measure(n, args.modes, args.repeats, address, state, warm, args.first_step)
     return results

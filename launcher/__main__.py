@@ -1,8 +1,6 @@
 """`python -m launcher ...`: the same as `megaray ...`; what a submitted job runs on the head node."""
 
-import sys
-
-from .cli import main
+from .cli import entry
 
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

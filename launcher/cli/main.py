@@ -42,6 +42,24 @@ def _setup_logging() -> None:
         log.propagate = False
 
 
+def entry() -> None:
+    """`megaray`, `python main.py`, `python -m launcher`: `main()`, then the process ends at once.
+
+    When main() returns, every rank has ended, the launch's actors and groups are gone and the run
+    directory is written: the exit code is final. What Python would still do is shut the driver's
+    Ray connection down and tear the interpreter's modules down (Ray's, and bridge's after a
+    preflight), about half a second that a developer waiting for the prompt would wait in vain.
+    """
+    from .. import driver
+
+    driver.end_with_command()
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    logging.shutdown()
+    os._exit(code)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Exit codes: 0 every rank returned; 1 a rank failed; 2 bad input or resources; 130/143 stopped."""
     _setup_logging()

@@ -18,7 +18,7 @@ from ..core.spec import RAY_NAMESPACE, LaunchSpec
 from ..core.target import TargetKind
 from ..core.topology import RankReport
 from ..core.versions import python_version
-from . import up
+from . import ends_with_command, up
 from .auth import AUTH_HINT, token_mode
 from .nodeenv import node_environment
 
@@ -113,6 +113,7 @@ def connect(spec: LaunchSpec) -> Iterator[Cluster]:
         yield Cluster(address=ctx.gcs_address, fixed_size=False)
         return
     sim = None
+    attached = True  # to a cluster megaray did not start for this run
     # A launch collects its ranks' output itself (driver/relay.py): Ray's own streaming would only add
     # its raylet and autoscaler chatter (and a warning for every rank stopped by SIGTERM) to the
     # console. A rank group has no sink and relies on it.
@@ -135,6 +136,7 @@ def connect(spec: LaunchSpec) -> Iterator[Cluster]:
         elif spec.dry_run or (spec.nodes > 1 and not spec.uses_gpus):
             # the exact launch a cluster will get, its nodes simulated here: NODE_RANK, GROUP_RANK and
             # cross-node collectives over gloo can be tried on a laptop
+            attached = False
             with node_environment():
                 sim = _simulate(spec)
             _init(address=sim.address, log_to_driver=streams)
@@ -143,6 +145,7 @@ def connect(spec: LaunchSpec) -> Iterator[Cluster]:
             # "local": a private Ray for this run, even when `ray start` left one on this machine, with
             # a logical CPU for every rank (torchrun starts 4 ranks on 2 cores too); its real GPUs
             log.info("starting a local Ray for this run (attach to a running cluster with --address)")
+            attached = False
             cpus = max(os.cpu_count() or 1, math.ceil(spec.world_size * spec.cpus_per_rank))
             with node_environment():
                 _init(address="local", include_dashboard=False, num_cpus=cpus, log_to_driver=streams)
@@ -151,7 +154,9 @@ def connect(spec: LaunchSpec) -> Iterator[Cluster]:
         yield cluster
     finally:
         quiet_raylet(False)
-        if ray.is_initialized():
+        # Ray's driver shutdown waits about 0.25 s in its core worker; when the process ends right
+        # after the command, the GCS sees the driver go all the same (a Ray we started is stopped).
+        if ray.is_initialized() and not (attached and ends_with_command()):
             ray.shutdown()
         stack.close()
         if sim is not None:

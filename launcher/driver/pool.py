@@ -113,7 +113,11 @@ def _spec(layout: PoolLayout) -> LaunchSpec:
 def fill(layout: PoolLayout, wait: bool) -> None:
     """Place the pool's groups (detached) and start one process per bundle (importing, when warm)."""
     spec = _spec(layout)
-    groups = placement.place_groups(spec, POOL, StopSignal(), fixed_size=layout.fixed_size, detached=True)
+    if wait or layout.nodes > 1:
+        groups = placement.place_groups(spec, POOL, StopSignal(), fixed_size=layout.fixed_size, detached=True)
+    else:  # a refill at the end of a launch: one group has no node to keep apart from, so it is not
+        # waited for (the raylet frees the launch's bundles a moment after), and the command ends now
+        groups = placement.create_groups(spec, POOL, detached=True)
     _kv()._internal_kv_del(TAKEN, namespace=NAMESPACE)  # a new pool, not taken yet
     # what ranks get, before torch loads; nothing when nothing is imported (setup gives the whole env)
     env = {"OMP_NUM_THREADS": "1"} if layout.gpus_per_node > 1 and layout.warm else {}
@@ -188,6 +192,10 @@ def take(spec: LaunchSpec, stop: StopSignal) -> Taken | None:
                 "the %s is for %s: given back for this launch's layout, which starts cold",
                 layout.kind, layout.describe(),
             )  # fmt: skip
+        return None
+    if not all(placement.is_placed(g) for g in groups):  # refilled a moment ago: not placed yet
+        give_back(layout)  # it holds nothing yet; this launch places its own, and refills after
+        log.info("the %s is still being placed after the last launch: this launch starts cold", layout.kind)
         return None
     by_bundle = _actors(layout)
     if by_bundle is None or len(groups) < layout.nodes:

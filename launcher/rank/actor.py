@@ -52,7 +52,7 @@ class RankActor:
         self.capture = None
         self.store_host = None  # rank 0's: the rendezvous store (rank/store.py)
         self.claimed_by: str | None = None
-        if pooled:  # a warm pool's process (driver/pool.py): import now, give the bundle back when idle
+        if pooled:  # a pool's process (driver/pool.py): import now if warm, give the bundle back when idle
             from .warmup import expire_when_idle, warm
 
             self.warmed = warm(pooled["env"], tuple(pooled["steps"]))
