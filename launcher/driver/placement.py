@@ -201,10 +201,6 @@ def _wait_placed(groups: list[PlacementGroup], deadline: float, stop: StopSignal
         raise _NotPlaced(placed)
 
 
-def is_placed(group: PlacementGroup) -> bool:
-    return placement_group_table(group).get("state") == "CREATED"
-
-
 def node_of(group: PlacementGroup) -> str:
     return placement_group_table(group)["bundles_to_node_id"][0]
 

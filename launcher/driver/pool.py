@@ -41,6 +41,7 @@ POOL = "megaray-pool"
 SINK = f"{POOL}-sink-"  # + the node id: the output sink started ahead on the node of the driver that filled
 TAKEN = "megaray-pool-taken"  # the job that took the pool now there: a claim every driver sees at once
 POOL_READY_S = 120.0  # a pool still importing (just refilled) is waited for this long, then skipped
+POOL_PLACED_S = 10.0  # a refilled pool's groups are waited for this long, then given back
 
 
 @dataclass(frozen=True)
@@ -193,9 +194,11 @@ def take(spec: LaunchSpec, stop: StopSignal) -> Taken | None:
                 layout.kind, layout.describe(),
             )  # fmt: skip
         return None
-    if not all(placement.is_placed(g) for g in groups):  # refilled a moment ago: not placed yet
+    # refilled at the end of the last launch without waiting: placed once the raylet freed that
+    # launch's bundles (a moment); never placed when another job holds them
+    if len(wait_all([g.ready() for g in groups], POOL_PLACED_S, stop)) < len(groups):
         give_back(layout)  # it holds nothing yet; this launch places its own, and refills after
-        log.info("the %s is still being placed after the last launch: this launch starts cold", layout.kind)
+        log.info("the %s was not placed within %g s: this launch starts cold", layout.kind, POOL_PLACED_S)
         return None
     by_bundle = _actors(layout)
     if by_bundle is None or len(groups) < layout.nodes:
