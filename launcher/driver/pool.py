@@ -150,22 +150,18 @@ def _start_sink() -> None:
         log.debug("no output sink started ahead: %s", e)
 
 
-def _sinks() -> list[str]:
-    return [n for n in ray.util.list_named_actors() if n.startswith(SINK)]
-
-
-def _take_sink() -> object | None:
-    """The pool's sink on this driver's node, if any; the others are stopped (they would idle)."""
-    mine = SINK + ray.get_runtime_context().get_node_id()
-    taken = None
-    for name in _sinks():
-        with contextlib.suppress(ValueError):
-            actor = ray.get_actor(name, namespace=NAMESPACE)
-            if name == mine:
-                taken = actor
-            else:
-                ray.kill(actor, no_restart=True)
-    return taken
+def _stop_sinks(keep: str = "") -> object | None:
+    """Stop the pool's output sinks but the one named `keep`, whose handle is returned if it runs."""
+    kept = None
+    for name in ray.util.list_named_actors():
+        if name.startswith(SINK):
+            with contextlib.suppress(ValueError):
+                actor = ray.get_actor(name, namespace=NAMESPACE)
+                if name == keep:
+                    kept = actor
+                else:
+                    ray.kill(actor, no_restart=True)
+    return kept
 
 
 @dataclass(frozen=True)
@@ -221,7 +217,7 @@ def take(spec: LaunchSpec, stop: StopSignal) -> Taken | None:
     log.info("taking the %s (%d processes %s)", layout.kind, len(actors), layout.holds)
     return Taken(
         groups, slots, actors, [replace(r, rank=sl.rank) for r, sl in zip(reports, slots, strict=True)],
-        _take_sink(),
+        _stop_sinks(keep=SINK + ray.get_runtime_context().get_node_id()),  # the one on this driver's node
     )  # fmt: skip
 
 
@@ -250,9 +246,7 @@ def give_back(layout: PoolLayout) -> bool:
     """Remove the pool's groups (which ends its processes) and its sinks; whether there were groups."""
     groups = _groups(layout)
     placement.remove_groups(groups)
-    for name in _sinks():
-        with contextlib.suppress(ValueError):
-            ray.kill(ray.get_actor(name, namespace=NAMESPACE), no_restart=True)
+    _stop_sinks()
     return bool(groups)
 
 

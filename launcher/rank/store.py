@@ -47,25 +47,14 @@ class StoreHost:
 
     def __init__(self, addr: str, port: int):
         self.addr, self.port = addr, port
-        self.sock: socket.socket | None = listen(port)
+        self.sock = listen(port)
         self.store = None  # the TCPStore once served: it lives as long as this process
-        self.error: str | None = None
-        self.stopped = threading.Event()
-        self.thread = threading.Thread(target=self._serve_when_imported, name="megaray-store", daemon=True)
-        self.thread.start()
+        threading.Thread(target=self._serve_when_imported, name="megaray-store", daemon=True).start()
 
     def _serve_when_imported(self) -> None:
         start = time.monotonic()
         while (cls := getattr(sys.modules.get(C10D), "TCPStore", None)) is None:
-            fast = time.monotonic() - start < FAST_FOR_S
-            if self.stopped.wait(FAST_POLL_S if fast else SLOW_POLL_S):
-                return
-        self.serve(cls)
-
-    def serve(self, cls) -> None:
-        sock, self.sock = self.sock, None
-        if sock is None:
-            return
+            time.sleep(FAST_POLL_S if time.monotonic() - start < FAST_FOR_S else SLOW_POLL_S)
         try:
             self.store = cls(
                 host_name=self.addr,
@@ -75,22 +64,14 @@ class StoreHost:
                 timeout=STORE_TIMEOUT,
                 wait_for_workers=False,
                 multi_tenant=True,  # the program's own master store on this port shares the server
-                master_listen_fd=sock.fileno(),
+                master_listen_fd=self.sock.fileno(),
             )
-            sock.detach()  # the server owns the descriptor now
+            self.sock.detach()  # the server owns the descriptor now
         except Exception as e:  # the ranks' clients are then refused and fail as they would anyway
-            sock.close()
-            self.error = f"{type(e).__name__}: {e}"
+            self.sock.close()
             print(
-                f"megaray: rank 0 could not serve the rendezvous store on port {self.port}: {self.error}",
+                f"megaray: rank 0 could not serve the rendezvous store on port {self.port}: "
+                f"{type(e).__name__}: {e}",
                 file=sys.stderr,
                 flush=True,
             )
-
-    def close(self) -> None:
-        """Stop waiting for torch; a store already served stays (the ranks use it)."""
-        self.stopped.set()
-        self.thread.join(timeout=2)
-        sock, self.sock = self.sock, None
-        if sock is not None:
-            sock.close()
