@@ -62,7 +62,7 @@ def _check_last_cluster() -> None:
     `ray start` leaves in Ray's temp dir), and waits 30 s and more for one that has gone away."""
     from ray._private.utils import read_ray_address
 
-    from ..driver.cluster import check_reachable
+    from ..driver.reach import check_reachable
 
     last = read_ray_address()
     if not last:

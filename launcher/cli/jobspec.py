@@ -20,6 +20,7 @@ from typing import Any
 
 from ..core.args import ArgumentParser
 from ..core.errors import UsageError
+from ..core.raytoken import auth_disabled, find_token
 from ..core.spec import LaunchSpec, spec_from_args
 from ..core.spec import build_parser as build_launch_parser
 from ..core.target import TargetKind, check_target_locally
@@ -28,7 +29,6 @@ from ..core.versions import megaray_version, python_version
 
 log = logging.getLogger("megaray")
 
-JOB_COMMANDS = ("submit", "status", "logs", "stop", "list")
 
 # Never worth shipping to the cluster: version control, environments, caches, training outputs and
 # weights. Patterns use .gitignore syntax relative to the working directory (Ray's `excludes`).
@@ -292,19 +292,13 @@ def auth_headers(environ: Mapping[str, str], home: Path | None = None) -> dict[s
     """The bearer token for a cluster with Ray's token authentication, found where Ray looks for it.
 
     Ray's own job client sends it only when RAY_AUTH_MODE=token is set; `ray start` turns token
-    mode on whenever a token is present, so do the same: RAY_AUTH_TOKEN, then the file named by
-    RAY_AUTH_TOKEN_PATH, then ~/.ray/auth_token. RAY_AUTH_MODE=disabled sends none.
+    mode on whenever a token is present, so do the same (core/raytoken.py: Ray's order).
+    RAY_AUTH_MODE=disabled sends none.
     """
-    if environ.get("RAY_AUTH_MODE", "").lower() == "disabled":
+    if auth_disabled(environ):
         return {}
-    token = environ.get("RAY_AUTH_TOKEN", "").strip()
-    if not token:
-        path = Path(environ.get("RAY_AUTH_TOKEN_PATH") or (home or Path.home()) / ".ray" / "auth_token")
-        try:
-            token = path.read_text().strip()
-        except OSError:
-            token = ""
-    return {"Authorization": f"Bearer {token}"} if token else {}
+    found = find_token(environ, home or Path.home())
+    return {"Authorization": f"Bearer {found.token}"} if found else {}
 
 
 def root_cause(logs: str) -> str | None:

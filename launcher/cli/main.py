@@ -8,7 +8,7 @@ import sys
 
 from ..core.errors import MegarayError, RankFailedError
 from ..core.spec import spec_from_args
-from .jobspec import JOB_COMMANDS
+from .commands import COMMANDS, commands_help
 
 log = logging.getLogger("megaray")
 
@@ -68,23 +68,9 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     argv = sys.argv[1:] if argv is None else argv
     try:
-        if argv and argv[0] in JOB_COMMANDS:
-            from .jobs import main as job_main
-
-            return job_main(argv)
-        if argv and argv[0] == "doctor":
-            from .doctor import main as doctor_main
-
-            return doctor_main(argv[1:])
-        if argv and argv[0] in ("up", "down"):
-            from .up import main as up_main
-
-            return up_main(argv[0], argv[1:])
-        if argv and argv[0] == "recipes":
-            from .recipes import main as recipes_main
-
-            return recipes_main(argv[1:])
-        spec = spec_from_args(argv)
+        if argv and argv[0] in COMMANDS:
+            return COMMANDS[argv[0]].run(argv[0], argv[1:])
+        spec = spec_from_args(argv, help_epilog=commands_help())
         if spec.check_only:
             from ..megatron.preflight import preflight
 

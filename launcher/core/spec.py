@@ -129,13 +129,15 @@ def default_job_name() -> str:
     return f"megaray-{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
+    """The launch's options. `epilog`: what `megaray --help` lists after them (the subcommands, from
+    cli/commands.py; core does not import the command line)."""
     p = ArgumentParser(
         prog="megaray",
-        description="Launch a torchrun-style program on a Ray cluster: one placement group per node, "
+        description="Launch a torchrun-style program on a Ray cluster: one placement group per node,\n"
         "one actor per rank, the torchrun env contract in each.",
-        epilog="As a Ray job on a shared cluster: megaray submit [...] -- <these arguments>; then "
-        "megaray status|logs|stop JOB and megaray list. Check a cluster: megaray doctor. Each has --help.",
+        epilog=epilog,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("--nodes", type=int, default=1, help="number of nodes (one placement group each)")
     p.add_argument(
@@ -250,11 +252,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def spec_from_args(
-    argv: list[str], environ: Mapping[str, str] | None = None, cwd: str | None = None
+    argv: list[str],
+    environ: Mapping[str, str] | None = None,
+    cwd: str | None = None,
+    help_epilog: str | None = None,
 ) -> LaunchSpec:
     """Parse the command line into a LaunchSpec; bad input raises UsageError (exit 2)."""
     environ = os.environ if environ is None else environ
-    args = build_parser().parse_args(argv)
+    args = build_parser(help_epilog).parse_args(argv)
     given = [
         f for f, v in (("--entrypoint", args.entrypoint), ("-m", args.module), ("--recipe", args.recipe)) if v
     ]

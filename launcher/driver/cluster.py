@@ -6,7 +6,8 @@ import contextlib
 import logging
 import math
 import os
-import socket
+import sys
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -21,9 +22,12 @@ from ..core.versions import python_version
 from . import ends_with_command, up
 from .auth import AUTH_HINT, token_mode
 from .nodeenv import node_environment
+from .reach import check_reachable
 
 log = logging.getLogger("megaray")
 NAMESPACE = RAY_NAMESPACE
+# Attaching takes about a second once the GCS has answered (driver/reach.py); past this, it hangs.
+CONNECT_TIMEOUT_S = 10.0
 
 
 @dataclass
@@ -33,44 +37,6 @@ class Cluster:
 
     address: str
     fixed_size: bool
-
-
-def check_reachable(address: str, timeout_s: float = 5.0) -> None:
-    """Fail in seconds, not after Ray's long retry loop, when a host:port address does not answer."""
-    if address in ("auto", "local") or "://" in address:
-        return
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ClusterError(f"Ray address {address!r} is not HOST:PORT; fix --address or RAY_ADDRESS")
-    try:
-        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s) as s:
-            answer = _http2_answer(s, timeout_s)
-    except OSError as e:
-        raise ClusterError(
-            f"cannot reach a Ray cluster at {address} ({e.strerror or e}); start one with "
-            "`ray start --head` or fix --address / RAY_ADDRESS"
-        ) from None
-    if answer is not None and answer[3:4] != b"\x04" and not os.environ.get("RAY_USE_TLS"):
-        what = (
-            "an HTTP server (Ray's dashboard listens on 8265)"
-            if answer.startswith(b"HTTP/")
-            else "no gRPC server"
-        )
-        raise ClusterError(
-            f"{address} answers, but as {what}, not as Ray's GCS: give the head's GCS port (6379 unless "
-            "`ray start --head --port` chose another) in --address or RAY_ADDRESS"
-        )
-
-
-def _http2_answer(s: socket.socket, timeout_s: float) -> bytes | None:
-    """What a port says to an HTTP/2 connection preface: Ray's GCS (gRPC) answers with a SETTINGS
-    frame (type 4 in the frame's fourth byte). None when it says nothing in time."""
-    s.settimeout(timeout_s)
-    try:
-        s.sendall(b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00")
-        return s.recv(64) or b""
-    except TimeoutError:
-        return None
 
 
 def _caused_by_auth(e: BaseException | None) -> bool:
@@ -121,17 +87,15 @@ def connect(spec: LaunchSpec) -> Iterator[Cluster]:
     stack = contextlib.ExitStack()
     try:
         if spec.address:
-            check_reachable(spec.address)
-            stack.enter_context(token_mode(spec.address))
-            _init(address=spec.address, log_to_driver=streams)
+            ours = (standing := up.running()) is not None and standing.address == spec.address
+            _attach(stack, spec.address, streams, announce=not ours)
             cluster = Cluster(address=spec.address, fixed_size=False)
         elif (standing := up.running()) is not None:
             log.info(
                 "attaching to the local Ray of `megaray up` at %s (`megaray down` stops it)",
                 standing.describe(),
             )
-            stack.enter_context(token_mode(standing.address))
-            _init(address=standing.address, log_to_driver=streams)
+            _attach(stack, standing.address, streams, announce=False)
             cluster = Cluster(address=standing.address, fixed_size=True)
         elif spec.dry_run or (spec.nodes > 1 and not spec.uses_gpus):
             # the exact launch a cluster will get, its nodes simulated here: NODE_RANK, GROUP_RANK and
@@ -161,6 +125,56 @@ def connect(spec: LaunchSpec) -> Iterator[Cluster]:
         stack.close()
         if sim is not None:
             sim.shutdown()
+
+
+def connect_timeout_s() -> float:
+    """The bound on attaching to a cluster once its GCS answered (MEGARAY_CONNECT_TIMEOUT_S)."""
+    raw = os.environ.get("MEGARAY_CONNECT_TIMEOUT_S", "")
+    try:
+        value = float(raw) if raw else CONNECT_TIMEOUT_S
+    except ValueError:
+        value = CONNECT_TIMEOUT_S
+    return value if math.isfinite(value) and value > 0 else CONNECT_TIMEOUT_S
+
+
+def _attach(stack: contextlib.ExitStack, address: str, streams: bool, announce: bool = True) -> None:
+    """Attach to the cluster at `address`: its GCS asked first, in seconds (driver/reach.py), then
+    `ray.init` under a deadline, since Ray's own connection retries for minutes whatever it meets."""
+    first = check_reachable(address)
+    stack.enter_context(token_mode(address, first, announce))
+    with deadline(connect_timeout_s(), address):
+        _init(address=address, log_to_driver=streams)
+
+
+@contextlib.contextmanager
+def deadline(seconds: float, address: str) -> Iterator[None]:
+    """Bound a call that Ray may hold for minutes (its GCS client blocks in C++, where neither a
+    signal handler nor an exception reaches it). At the deadline the command (cli/main.py `entry`)
+    ends with exit 2 and one line: nothing is placed yet, so nothing is left. Called from Python
+    (notebooks, tests), the process is not ended: the line is logged and the call goes on."""
+    done = threading.Event()
+
+    def watch() -> None:
+        if done.wait(seconds):
+            return
+        message = (
+            f"the Ray cluster at {address} answered, then did not finish letting this driver in within "
+            f"{seconds:.0f} s (a GCS that stalled or is overloaded, or a Ray of another version): check "
+            "the head (`ray status` there), or raise MEGARAY_CONNECT_TIMEOUT_S"
+        )
+        log.error("%s", message)
+        if ends_with_command():
+            for stream in (sys.stdout, sys.stderr):
+                with contextlib.suppress(Exception):
+                    stream.flush()
+            os._exit(2)
+
+    watcher = threading.Thread(target=watch, name="megaray-connect-deadline", daemon=True)
+    watcher.start()
+    try:
+        yield
+    finally:
+        done.set()
 
 
 def quiet_raylet(on: bool) -> None:

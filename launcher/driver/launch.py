@@ -30,7 +30,7 @@ from .cluster import Cluster, connect
 from .gang import RankGang, RankInfo
 from .progress_view import ProgressView
 from .relay import OutputRelay
-from .rundir import RunDir
+from .rundir import RunDir, runs_root
 from .spares import SparePool
 from .supervise import StopSignal, supervise
 
@@ -70,10 +70,7 @@ def _launch(spec: LaunchSpec) -> LaunchResult:
     check_target_locally(spec.target, spec.cwd)
     profile = load_profile(spec.env_profile) if spec.env_profile else {}
     plan = preflight(spec)
-    run = RunDir(spec.run_dir)
-    run.write_spec(spec)
-    if plan is not None:
-        run.write_config(plan.config)
+    runs_root(spec.run_dir)  # bad input, said before connecting
     if spec.forwarded:
         names = ", ".join(k for k, _ in spec.forwarded)
         log.info("every rank gets these variables of this shell (values not shown): %s", names)
@@ -82,10 +79,15 @@ def _launch(spec: LaunchSpec) -> LaunchResult:
     restarts: list[dict[str, Any]] = []
     attempts: list[Attempt] = []
     outcome: dict[str, Any] = {"status": "failed", "exit_code": 1, "root_cause": None}
+    run: RunDir | None = None  # made once connected: a launch that never reached a cluster left nothing
     try:
         # After connecting: ray.init installs its own fatal-signal handler for SIGTERM, which would
         # end the driver without teardown.
         with connect(spec) as cluster, stop.installed():
+            run = RunDir(spec.run_dir)
+            run.write_spec(spec)
+            if plan is not None:
+                run.write_config(plan.config)
             first_target = align_timeouts(spec, plan)
 
             def new_attempt(k: int, spares: SparePool | None) -> Attempt:
@@ -121,15 +123,16 @@ def _launch(spec: LaunchSpec) -> LaunchResult:
         outcome = {"status": "error", "exit_code": 1, "root_cause": f"{type(e).__name__}: {e}"}
         raise
     finally:
-        run.write_summary(
-            job=spec.job_name,
-            world_size=spec.world_size,
-            **outcome,
-            restarts=restarts,
-            timings=attempts[-1].gang.timings if attempts else {},
-            progress={**progress.stats, "first_report_at": progress.first_at} if progress.stats else {},
-        )
-        log.info("run directory: %s", run.path)
+        if run is not None:
+            run.write_summary(
+                job=spec.job_name,
+                world_size=spec.world_size,
+                **outcome,
+                restarts=restarts,
+                timings=attempts[-1].gang.timings if attempts else {},
+                progress={**progress.stats, "first_report_at": progress.first_at} if progress.stats else {},
+            )
+            log.info("run directory: %s", run.path)
 
 
 class AttemptLike(Protocol):

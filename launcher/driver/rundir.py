@@ -39,6 +39,26 @@ def spec_record(spec: Any) -> dict[str, Any]:
     return record
 
 
+def _not_a_folder(root: Path, why: str) -> UsageError:
+    return UsageError(
+        f"--runs-dir {root.parent} cannot hold run directories ({why}); give a folder path you can "
+        "write, or leave --runs-dir out for ./runs"
+    )
+
+
+def runs_root(root: Path) -> None:
+    """Make the folder the run directory `root` goes in, or fail in one line (bad input): said before
+    the launch connects, while the run directory itself is made only once it has."""
+    try:
+        root.parent.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        raise _not_a_folder(root, "a file is in the way") from None
+    except OSError as e:
+        raise _not_a_folder(root, e.strerror or str(e)) from None
+    if not os.access(root.parent, os.W_OK | os.X_OK):
+        raise _not_a_folder(root, "not writable here")
+
+
 def private_dir(root: Path) -> Path:
     """A new folder only this user can read: `root`, or `root.1`, `root.2`, ... when a launch of the
     same job name left one, so that no two launches ever share a run directory."""
@@ -51,10 +71,7 @@ def private_dir(root: Path) -> Path:
             n += 1
             path = root.with_name(f"{root.name}.{n}")
         except NotADirectoryError:
-            raise UsageError(
-                f"--runs-dir {root.parent} is not a folder (a file is in the way); give a folder path, "
-                "or leave --runs-dir out for ./runs"
-            ) from None
+            raise _not_a_folder(root, "a file is in the way") from None
 
 
 class RunDir:

@@ -16,6 +16,7 @@ import dataclasses
 import json
 import logging
 import os
+import secrets
 import signal
 import socket
 import subprocess
@@ -26,7 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.errors import ClusterError
+from ..core.errors import ClusterError, UsageError
+from ..core.raytoken import auth_disabled, find_token, token_path
 from ..rank.probes import process_state
 
 log = logging.getLogger("megaray")
@@ -116,6 +118,8 @@ def start(
     env.pop("RAY_ADDRESS", None)
     # Ray 2.60's default for a new head; a worker joining by address needs it said
     env.setdefault("RAY_AUTH_MODE", "token")
+    if not auth_disabled(env):
+        ensure_token(env, Path.home())
     per_node = ["--num-cpus", str(cpus), "--num-gpus", str(gpus)]
     logs = root / "up.log"
     procs = [
@@ -131,7 +135,7 @@ def start(
     )
     try:
         _wait(lambda: _reachable(address), procs[0], logs)
-        with token_mode(address):
+        with token_mode(address, announce=False):
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
             try:
                 for _ in range(nodes - 1):  # one at a time: raylets registering together time out on 2 cores
@@ -150,6 +154,39 @@ def start(
     _path().write_text(json.dumps(dataclasses.asdict(state)))
     os.chmod(_path(), 0o600)
     return state
+
+
+def ensure_token(environ: dict[str, str], home: Path) -> None:
+    """The token the nodes start with, in token mode. On a machine where none exists yet (a fresh
+    `HOME`), make one where Ray looks for it (~/.ray/auth_token), as Ray's documentation says for
+    local development (`ray get-auth-token --generate`) and as a local `ray.init()` does itself; `ray
+    status` and the job client find it there too. A RAY_AUTH_TOKEN_PATH naming no token is the user's
+    to fix: a token there may be meant to be another cluster's."""
+    if find_token(environ, home) is not None:
+        return
+    path = token_path(environ, home)
+    if environ.get("RAY_AUTH_TOKEN_PATH"):
+        raise UsageError(
+            f"RAY_AUTH_TOKEN_PATH names {path}, which holds no token: write the token there, or unset it "
+            "(megaray up then makes one in ~/.ray/auth_token, as `ray get-auth-token --generate` does)"
+        )
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return  # made a moment ago by another process (an empty file is Ray's to refuse)
+    except OSError as e:
+        raise UsageError(
+            f"no Ray token here, and none can be made in {path} ({e.strerror or e}): set RAY_AUTH_TOKEN, "
+            "or RAY_AUTH_TOKEN_PATH to a file holding one, or run with a writable HOME"
+        ) from None
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))  # what Ray's own generator makes: 256 random bits
+    log.info(
+        "no Ray token on this machine yet: made one in %s, as `ray get-auth-token --generate` does (the "
+        "local Ray of `megaray up` uses token authentication, as Ray's own local clusters do)",
+        path,
+    )
 
 
 def _reachable(address: str) -> bool:

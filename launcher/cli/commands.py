@@ -1,0 +1,75 @@
+"""The subcommands of `megaray`, in one registry: the dispatch (cli/main.py) and the list that
+`megaray --help` shows (as `git --help` and `ray --help` do) come from it, so a command cannot be
+added to one and missed in the other. Each command's module is imported only when it runs: `--help`
+and bad input stay fast."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Command:
+    name: str
+    summary: str  # one line, for `megaray --help`
+    run: Callable[[str, list[str]], int]  # (name, the arguments after it) -> exit code
+
+
+def _jobs(name: str, argv: list[str]) -> int:
+    from .jobs import main
+
+    return main([name, *argv])
+
+
+def _up(name: str, argv: list[str]) -> int:
+    from .up import main
+
+    return main(name, argv)
+
+
+def _doctor(_name: str, argv: list[str]) -> int:
+    from .doctor import main
+
+    return main(argv)
+
+
+def _recipes(_name: str, argv: list[str]) -> int:
+    from .recipes import main
+
+    return main(argv)
+
+
+COMMANDS: dict[str, Command] = {
+    c.name: c
+    for c in (
+        Command("up", "start a local Ray that launches attach to, with a pool of rank processes (--warm: "
+                "torch imported)", _up),
+        Command("down", "stop the local Ray of `megaray up`, leaving no process (--address: give back "
+                "that cluster's warm pool)", _up),
+        Command("list", "show `megaray up`, its pool, and the cluster's submitted jobs", _jobs),
+        Command("submit", "run a launch as a Ray job on the cluster's head and stream its logs", _jobs),
+        Command("status", "show a submitted job's status, exit code, layout and target", _jobs),
+        Command("logs", "print a submitted job's logs (-f: until it ends)", _jobs),
+        Command("stop", "stop a submitted job and wait until it ended", _jobs),
+        Command("recipes", "list the recipes --recipe takes (ours and Megatron-Bridge's), or show one "
+                "resolved", _recipes),
+        Command("doctor", "check a cluster before a launch: versions, GPUs, network devices, disk, an "
+                "all-reduce", _doctor),
+    )
+}  # fmt: skip
+
+
+def commands_help() -> str:
+    """The commands section of `megaray --help`."""
+    width = max(len(name) for name in COMMANDS)
+    lines = [f"  {c.name:<{width}}  {c.summary}" for c in COMMANDS.values()]
+    return "\n".join(
+        [
+            "commands (megaray COMMAND --help for each):",
+            *lines,
+            "",
+            "With no command, megaray launches: megaray [options] script.py [args] (as torchrun),",
+            "or -m module, --entrypoint pkg.module:function, --recipe NAME, --dry-run.",
+        ]
+    )
