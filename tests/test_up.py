@@ -20,11 +20,14 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def env():
-    e = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_AUTH_MODE")}
+    e = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("RAY_AUTH_")}
     # not the user's own `megaray up`; short, for the Unix sockets under Ray's temp dir in there
     e["MEGARAY_STATE_DIR"] = tempfile.mkdtemp(prefix="mru-", dir="/tmp")
+    # a fresh machine's: no Ray token in it, whatever an earlier test or session left in the real one
+    e["HOME"] = tempfile.mkdtemp(prefix="mru-home-")
     yield e
     shutil.rmtree(e["MEGARAY_STATE_DIR"], ignore_errors=True)
+    shutil.rmtree(e["HOME"], ignore_errors=True)
 
 
 def megaray(env: dict[str, str], *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
@@ -68,6 +71,11 @@ def test_up_holds_a_local_ray_that_launches_attach_to_and_down_leaves_nothing(en
     try:
         up = megaray(env, "up", "--nodes", "2", "--gpus-per-node", "2")
         assert up.returncode == 0, up.stderr[-3000:]
+        # a fresh HOME has no token: one is made where Ray looks, said in one line, private to the user
+        token = Path(env["HOME"]) / ".ray" / "auth_token"
+        assert f"no Ray token on this machine yet: made one in {token}" in up.stderr, up.stderr
+        assert len(token.read_text()) == 64 and token.stat().st_mode & 0o777 == 0o600
+        assert "sending the token" not in up.stderr  # its own token is not news
         assert re.search(r"started a local Ray at 127\.0\.0\.1:\d+ \(2 node\(s\) x 2 CPU ranks\)", up.stderr)
         again = megaray(env, "up")
         assert again.returncode == 0 and "already running at 127.0.0.1:" in again.stderr
@@ -104,6 +112,15 @@ def test_up_holds_a_local_ray_that_launches_attach_to_and_down_leaves_nothing(en
     assert not (Path(state) / "up.json").exists()
     again = megaray(env, "down")
     assert again.returncode == 0 and "no `megaray up` is running" in again.stderr
+
+
+def test_up_with_a_token_path_that_holds_no_token_exits_2_in_one_line(env):
+    missing = Path(env["HOME"]) / "cluster-token"
+    p = megaray({**env, "RAY_AUTH_TOKEN_PATH": str(missing)}, "up")
+    assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr
+    assert f"RAY_AUTH_TOKEN_PATH names {missing}, which holds no token" in p.stderr
+    assert not missing.exists() and not (Path(env["HOME"]) / ".ray").exists()
+    assert processes_under(env["MEGARAY_STATE_DIR"]) == []
 
 
 def test_up_refuses_simulated_gpu_nodes_in_one_line(env):

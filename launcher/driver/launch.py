@@ -71,9 +71,6 @@ def _launch(spec: LaunchSpec) -> LaunchResult:
     profile = load_profile(spec.env_profile) if spec.env_profile else {}
     plan = preflight(spec)
     runs_root(spec.run_dir)  # bad input, said before connecting
-    if spec.forwarded:
-        names = ", ".join(k for k, _ in spec.forwarded)
-        log.info("every rank gets these variables of this shell (values not shown): %s", names)
     stop = StopSignal()
     progress = ProgressView(plan.facts if plan else TrainingFacts(), spec.world_size, spec.peak_tflops)
     restarts: list[dict[str, Any]] = []
@@ -88,6 +85,9 @@ def _launch(spec: LaunchSpec) -> LaunchResult:
             run.write_spec(spec)
             if plan is not None:
                 run.write_config(plan.config)
+            if spec.forwarded:
+                names = ", ".join(k for k, _ in spec.forwarded)
+                log.info("every rank gets these variables of this shell (values not shown): %s", names)
             first_target = align_timeouts(spec, plan)
 
             def new_attempt(k: int, spares: SparePool | None) -> Attempt:

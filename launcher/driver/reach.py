@@ -13,6 +13,7 @@ from __future__ import annotations
 import enum
 import os
 import socket
+import ssl
 
 from ..core.errors import ClusterError
 
@@ -81,10 +82,12 @@ def check_reachable(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> GcsAnsw
             f"working Ray GCS (another service, or a GCS that is stopped or overloaded): {_FIX}"
         )
     if answer is not None and answer[3:4] != b"\x04" and not tls:
-        if answer.startswith(b"HTTP/"):
+        if answer.startswith((b"HTTP/", b"<")):
             what = "an HTTP server (Ray's dashboard listens on 8265)"
-        elif answer[:1] == b"\x15":
-            what = "a TLS server"
+        elif not answer and _speaks_tls(host.strip("[]"), int(port), timeout_s):
+            what = "a TLS server (a Ray cluster with TLS needs RAY_USE_TLS=1 and its certificates here)"
+        elif not answer:
+            what = "a server that closes the connection"
         else:
             what = "no gRPC server"
         raise ClusterError(f"{address} answers, but as {what}, not as Ray's GCS: {_FIX}")
@@ -97,6 +100,18 @@ def check_reachable(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> GcsAnsw
             f"{timeout_s:.0f} s (a GCS that is stopped or overloaded, or another service): {_FIX}"
         )
     return gcs
+
+
+def _speaks_tls(host: str, port: int, timeout_s: float) -> bool:
+    """Whether the port completes a TLS handshake (any certificate: only the protocol is asked)."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as s, ctx.wrap_socket(s):
+            return True
+    except (OSError, ssl.SSLError):
+        return False
 
 
 def _http2_answer(s: socket.socket, timeout_s: float) -> bytes | None:

@@ -1,0 +1,219 @@
+"""An address that is not a working Ray GCS fails the launch in seconds, in one line, exit 2, with
+nothing left: nothing listening, an HTTP server, a port that accepts and says nothing, a TLS server,
+a gRPC server without Ray's GCS, a real GCS that is stopped, and a "GCS" that answers its first call
+and then stalls (Ray's own connection would wait minutes on each). Run as users run it: `python
+main.py --address ...`, a fresh process, with an empty HOME."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from concurrent import futures
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO
+from .raycluster import start_cluster
+
+pytestmark = pytest.mark.slow
+
+# Each case must end well within this (the issue's bound), or the run counts as a hang.
+LIMIT_S = 15
+
+
+def launch(address: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    base = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("RAY_AUTH")}
+    cmd = [sys.executable, "main.py", "--address", address, "--device", "cpu", "--runs-dir",
+           str(tmp_path / "runs"), "--dry-run"]  # fmt: skip
+    return subprocess.run(
+        cmd, cwd=REPO, env={**base, "HOME": str(home), **env}, capture_output=True, text=True, timeout=LIMIT_S
+    )
+
+
+def assert_one_line(done: subprocess.CompletedProcess, tmp_path: Path, *words: str) -> None:
+    err = done.stderr
+    assert done.returncode == 2, err[-3000:]
+    lines = [ln for ln in err.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("megaray: error: "), err[-3000:]
+    assert all(w in lines[0] for w in words), lines[0]
+    assert not list((tmp_path / "runs").glob("*")), "a launch that reached no cluster left a run directory"
+
+
+def _listener() -> socket.socket:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    s.listen(16)
+    return s
+
+
+@pytest.fixture
+def silent_port() -> Iterator[int]:
+    """Accepts connections (the kernel does, from the backlog) and never says a word."""
+    s = _listener()
+    yield s.getsockname()[1]
+    s.close()
+
+
+def _serve(s: socket.socket, handle) -> threading.Thread:
+    def loop():
+        while True:
+            try:
+                conn, _ = s.accept()
+            except OSError:
+                return
+            threading.Thread(target=handle, args=(conn,), daemon=True).start()
+
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    return t
+
+
+@pytest.fixture
+def tls_port(tmp_path) -> Iterator[int]:
+    """A real TLS server (a self-signed certificate made by openssl)."""
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+         "-days", "1", "-subj", "/CN=localhost"],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, key)
+    s = _listener()
+
+    def handle(conn):
+        try:
+            with ctx.wrap_socket(conn, server_side=True) as tls:
+                tls.recv(64)
+        except (OSError, ssl.SSLError):
+            conn.close()
+
+    _serve(s, handle)
+    yield s.getsockname()[1]
+    s.close()
+
+
+@pytest.fixture
+def http_port() -> Iterator[int]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), http.server.SimpleHTTPRequestHandler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield server.server_port
+    server.shutdown()
+
+
+def _grpc_server(answer_cluster_id: bool) -> tuple[object, int]:
+    """A gRPC server that holds every call, except, with `answer_cluster_id`, the GCS's GetClusterId
+    (the first call Ray's client makes): a GCS that answers and then stalls. Without it, a gRPC
+    service that never answers Ray."""
+    import grpc
+
+    class Handler(grpc.GenericRpcHandler):
+        def service(self, details):
+            if answer_cluster_id and details.method == "/ray.rpc.NodeInfoGcsService/GetClusterId":
+                return grpc.unary_unary_rpc_method_handler(lambda request, context: b"")
+
+            def hold(request, context):
+                time.sleep(LIMIT_S * 4)
+
+            return grpc.unary_unary_rpc_method_handler(hold)
+
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
+    server.add_generic_rpc_handlers((Handler(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    server.start()
+    return server, port
+
+
+def test_nothing_listening(tmp_path):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    done = launch(f"127.0.0.1:{port}", tmp_path)
+    assert_one_line(done, tmp_path, f"cannot reach a Ray cluster at 127.0.0.1:{port}", "--address")
+
+
+def test_an_http_server(tmp_path, http_port):
+    done = launch(f"127.0.0.1:{http_port}", tmp_path)
+    assert_one_line(done, tmp_path, "answers, but as an HTTP server", "GCS port")
+
+
+def test_a_port_that_says_nothing(tmp_path, silent_port):
+    done = launch(f"127.0.0.1:{silent_port}", tmp_path)
+    assert_one_line(
+        done, tmp_path, f"127.0.0.1:{silent_port} accepts connections but says nothing", "GCS port"
+    )
+
+
+def test_a_tls_server(tmp_path, tls_port):
+    done = launch(f"127.0.0.1:{tls_port}", tmp_path)
+    assert_one_line(done, tmp_path, "answers, but as a TLS server", "GCS port")
+
+
+def test_a_grpc_server_that_never_answers_ray(tmp_path):
+    server, port = _grpc_server(answer_cluster_id=False)
+    try:
+        done = launch(f"127.0.0.1:{port}", tmp_path)
+    finally:
+        server.stop(0)
+    assert_one_line(done, tmp_path, "its Ray GCS did not answer a call", "GCS port")
+
+
+def test_a_gcs_that_answers_then_stalls_is_bounded(tmp_path):
+    server, port = _grpc_server(answer_cluster_id=True)
+    try:
+        done = launch(f"127.0.0.1:{port}", tmp_path, MEGARAY_CONNECT_TIMEOUT_S="5")
+    finally:
+        server.stop(0)
+    assert_one_line(done, tmp_path, "answered, then did not finish letting this driver in within 5 s")
+
+
+def _descendants(pid: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            ppid = int(stat.rsplit(")", 1)[1].split()[1])
+            children.setdefault(ppid, []).append(int(entry.name))
+    found, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
+def _comm(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return ""
+
+
+def test_a_real_gcs_that_is_stopped(tmp_path):
+    """A head whose GCS process is stopped (SIGSTOP): the kernel still accepts connections."""
+    cluster = start_cluster(num_cpus=1)
+    try:
+        gcs = [p for p in _descendants(cluster.procs[0].pid) if _comm(p) == "gcs_server"]
+        assert len(gcs) == 1, gcs
+        os.kill(gcs[0], signal.SIGSTOP)
+        try:
+            done = launch(cluster.gcs, tmp_path)
+        finally:
+            os.kill(gcs[0], signal.SIGCONT)
+    finally:
+        cluster.stop()
+    assert_one_line(done, tmp_path, f"{cluster.gcs} accepts connections but says nothing", "stopped")
