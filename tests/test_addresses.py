@@ -6,6 +6,7 @@ main.py --address ...`, a fresh process, with an empty HOME."""
 
 from __future__ import annotations
 
+import contextlib
 import http.server
 import os
 import signal
@@ -14,9 +15,7 @@ import ssl
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 
 import pytest
@@ -112,27 +111,47 @@ def http_port() -> Iterator[int]:
     server.shutdown()
 
 
-def _grpc_server(answer_cluster_id: bool) -> tuple[object, int]:
+GRPC_SERVER = """
+import sys, time
+from concurrent import futures
+import grpc
+
+ANSWER_CLUSTER_ID = sys.argv[1] == "1"
+
+class Handler(grpc.GenericRpcHandler):
+    def service(self, details):
+        if ANSWER_CLUSTER_ID and details.method == "/ray.rpc.NodeInfoGcsService/GetClusterId":
+            return grpc.unary_unary_rpc_method_handler(lambda request, context: b"")
+
+        def hold(request, context):
+            time.sleep(600)
+
+        return grpc.unary_unary_rpc_method_handler(hold)
+
+server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
+server.add_generic_rpc_handlers((Handler(),))
+print(server.add_insecure_port("127.0.0.1:0"), flush=True)
+server.start()
+server.wait_for_termination()
+"""
+
+
+@contextlib.contextmanager
+def grpc_server(answer_cluster_id: bool) -> Iterator[int]:
     """A gRPC server that holds every call, except, with `answer_cluster_id`, the GCS's GetClusterId
     (the first call Ray's client makes): a GCS that answers and then stalls. Without it, a gRPC
-    service that never answers Ray."""
-    import grpc
-
-    class Handler(grpc.GenericRpcHandler):
-        def service(self, details):
-            if answer_cluster_id and details.method == "/ray.rpc.NodeInfoGcsService/GetClusterId":
-                return grpc.unary_unary_rpc_method_handler(lambda request, context: b"")
-
-            def hold(request, context):
-                time.sleep(LIMIT_S * 4)
-
-            return grpc.unary_unary_rpc_method_handler(hold)
-
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=32))
-    server.add_generic_rpc_handlers((Handler(),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    return server, port
+    service that never answers Ray. In a process of its own: gRPC's threads stay out of this one,
+    which forks Ray's processes in later tests."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", GRPC_SERVER, "1" if answer_cluster_id else "0"],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        yield int(proc.stdout.readline())
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def test_nothing_listening(tmp_path):
@@ -161,20 +180,14 @@ def test_a_tls_server(tmp_path, tls_port):
 
 
 def test_a_grpc_server_that_never_answers_ray(tmp_path):
-    server, port = _grpc_server(answer_cluster_id=False)
-    try:
+    with grpc_server(answer_cluster_id=False) as port:
         done = launch(f"127.0.0.1:{port}", tmp_path)
-    finally:
-        server.stop(0)
     assert_one_line(done, tmp_path, "its Ray GCS did not answer a call", "GCS port")
 
 
 def test_a_gcs_that_answers_then_stalls_is_bounded(tmp_path):
-    server, port = _grpc_server(answer_cluster_id=True)
-    try:
+    with grpc_server(answer_cluster_id=True) as port:
         done = launch(f"127.0.0.1:{port}", tmp_path, MEGARAY_CONNECT_TIMEOUT_S="5")
-    finally:
-        server.stop(0)
     assert_one_line(done, tmp_path, "answered, then did not finish letting this driver in within 5 s")
 
 
