@@ -212,6 +212,36 @@ def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
     }
 
 
+# Ray starts its worker processes at niceness 15 (its `worker_niceness`, so that they yield the CPU to
+# the raylet and GCS); torchrun's workers run at the launcher's, 0, and a rank's data-loader workers
+# inherit it. Ray reads this variable from the runtime environment a worker starts for
+# (driver/actors.py); its own job manager sets it there for the actor a job's driver runs in, for the
+# same reason. The rank removes it from its environment (rank/actor.py): torchrun's have none.
+NICENESS_VAR = "RAY_worker_niceness"
+RANK_PROCESS_ENV = {NICENESS_VAR: "0"}
+
+
+# Read when a process starts, by the interpreter (PYTHONHASHSEED, PYTHONWARNINGS, PYTHONDEVMODE,
+# PYTHONMALLOC, PYTHONPATH, ...), the dynamic loader (LD_PRELOAD, LD_LIBRARY_PATH) or libc (MALLOC_,
+# GLIBC_TUNABLES): set in os.environ once the process runs, they do nothing for it.
+STARTUP_PREFIXES = ("PYTHON", "LD_", "MALLOC_")
+STARTUP_NAMES = frozenset({"GLIBC_TUNABLES"})
+
+
+def is_startup_var(name: str) -> bool:
+    return name.startswith(STARTUP_PREFIXES) or name in STARTUP_NAMES
+
+
+def startup_env(
+    *, profile: Mapping[str, str], overrides: Mapping[str, str], forwarded: Mapping[str, str] = {}
+) -> dict[str, str]:
+    """The start-up variables among what the launch sets in every rank (`--env`, the launching
+    shell's, the profile; in that precedence): they must be in the rank process's environment when
+    it starts, as under torchrun, so the driver has Ray start the process with them."""
+    merged = {**profile, **forwarded, **overrides}
+    return {k: merged[k] for k in sorted(merged) if is_startup_var(k)}
+
+
 def parse_env_pairs(pairs: list[str], environ: Mapping[str, str] | None = None) -> dict[str, str]:
     """`--env KEY=VALUE` (repeatable) into a dict; `--env KEY` forwards this process's value of KEY,
     as `docker run -e KEY` does."""

@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from ..core.rankenv import RANK_PROCESS_ENV
 from .cluster import NAMESPACE
 from .supervise import StopSignal
 
@@ -27,9 +28,12 @@ def start_rank_actor(
     num_cpus: float,
     num_gpus: float,
     pooled: dict[str, Any] | None = None,
+    start_env: Mapping[str, str] | None = None,
 ) -> Any:
     """One RankActor in bundle `bundle` of placement group `group`, named for `ray list actors`.
-    `pooled`: a warm pool's actor (driver/pool.py), detached, importing as it starts."""
+    `pooled`: a warm pool's actor (driver/pool.py), detached, importing as it starts. `start_env`:
+    variables its process must have from its start (core/rankenv.startup_env), which Ray gives a
+    worker it starts for this runtime environment."""
     return (
         _rank_actor_class()
         .options(
@@ -39,6 +43,7 @@ def start_rank_actor(
             num_gpus=num_gpus,
             max_restarts=0,
             lifetime="detached" if pooled else None,
+            runtime_env={"env_vars": {**RANK_PROCESS_ENV, **(start_env or {})}},
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
         )
         .remote(job, rank, node_ip, pooled)

@@ -111,6 +111,11 @@ def connect(spec: LaunchSpec) -> Iterator[Cluster]:
             log.info("starting a local Ray for this run (attach to a running cluster with --address)")
             attached = False
             cpus = max(os.cpu_count() or 1, math.ceil(spec.world_size * spec.cpus_per_rank))
+            # Ray's own line that it turned token authentication on for a local Ray (and made a token
+            # in ~/.ray/auth_token where none was): a Ray private to this run, stopped after it
+            logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(
+                logging.ERROR
+            )
             with node_environment():
                 _init(address="local", include_dashboard=False, num_cpus=cpus, log_to_driver=streams)
             cluster = Cluster(address=ray.get_runtime_context().gcs_address, fixed_size=True)

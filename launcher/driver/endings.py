@@ -20,7 +20,7 @@ import ray
 from ..core.deaths import death_cause, describe_death, readable_tail
 from ..core.errors import RankFailedError, RankFailure
 from ..core.topology import RankReport, format_rank_ranges
-from ..rank.spool import exit_and_ship, ship, spool_name
+from ..rank.spool import exit_and_ship, exit_mark, ship, spool_name
 from .actors import first_line, on_node, wait_all
 from .supervise import StopSignal
 
@@ -54,11 +54,12 @@ def exit_gracefully(
     grace_s: float,
     stop: StopSignal,
     sink: Any = None,
-) -> None:
+) -> list[int]:
     """Watch the processes of ranks told to exit end as Python processes do (non-daemon threads
     joined, atexit handlers run: trackers flush, uploads finish), each by a task on its node; kill
     and name those still running after `grace_s`; then what they printed on the way out reaches
-    the sink. Ctrl-C stops the wait.
+    the sink. Ctrl-C stops the wait. Returns the ranks whose process died on the way out (a crash in
+    an exit handler, a signal, os._exit): failures, as torchrun counts a worker's exit status.
 
     The ranks on the driver's own node are watched from the driver, in a thread: a task there would
     first wait for Ray to start a worker process, about a second on a small machine."""
@@ -67,7 +68,7 @@ def exit_gracefully(
     task = ray.remote(exit_and_ship)
     watches: dict[str, Any] = {}  # node -> the task's ref, or the driver thread's future
     for node, hs in by_node.items():
-        args = ([h.report.pid for h in hs], grace_s, sink, _spools(hs))
+        args = ([h.report.pid for h in hs], grace_s, sink, _spools(hs), [_mark(h) for h in hs])
         if node == here:
             watches[node] = _in_thread(exit_and_ship, *args)
         else:
@@ -79,20 +80,40 @@ def exit_gracefully(
             while not w.done() and time.monotonic() < deadline:
                 stop.check()
                 wait_futures([w], timeout=0.25)
-    killed = []
+    killed, crashed = [], []
     for node, w in watches.items():
         try:
-            took = w.result(timeout=0) if isinstance(w, Future) else ray.get(w, timeout=0)
+            ended = w.result(timeout=0) if isinstance(w, Future) else ray.get(w, timeout=0)
         except (ray.exceptions.RayError, FutureTimeout, OSError) as e:
             log.warning("could not watch the ranks on node %s exit: %s", node[:8], first_line(e))
             continue
-        killed += [h.slot.rank for h, t in zip(by_node[node], took, strict=True) if t is None]
+        for h, (took, clean) in zip(by_node[node], ended, strict=True):
+            if took is None:
+                killed.append(h.slot.rank)
+            elif not clean:
+                crashed.append(h.slot.rank)
     if killed:
         still = sorted({x for r in killed for x in lingering.get(r, [])})
         log.warning(
             "rank(s) %s still running %gs after the program returned (%s): killed; give them longer "
             "with --exit-grace", format_rank_ranges(killed), grace_s, ", ".join(still) or "exit handlers",
         )  # fmt: skip
+    return crashed
+
+
+def _mark(h: RankHandle) -> str | None:
+    return exit_mark(h.spool) if h.spool else None
+
+
+def crash_on_exit(h: RankHandle, tail: list[str] | tuple[str, ...], at: float) -> RankFailure:
+    """The failure of a rank whose program returned and whose process then died on its way out."""
+    cause = death_cause(tail, None) or "it ended without finishing its exit"
+    return RankFailure(
+        rank=h.slot.rank, node_ip=h.slot.node_ip, hostname=h.report.hostname, gpu=h.info.gpu, kind="died",
+        summary=f"after the program returned, on its way out (exit handlers, threads): {cause} "
+        f"(pid {h.report.pid})",
+        at=at, last_output=readable_tail(tail),
+    )  # fmt: skip
 
 
 def _in_thread(fn: Any, *args: Any) -> Future:

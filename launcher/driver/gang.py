@@ -25,7 +25,7 @@ from ..core.errors import (
     ResourceError,
     UsageError,
 )
-from ..core.rankenv import EnvDecision, decide_envs, redact
+from ..core.rankenv import EnvDecision, decide_envs, redact, startup_env
 from ..core.spec import LaunchSpec
 from ..core.target import Target
 from ..core.topology import (
@@ -39,7 +39,7 @@ from ..core.topology import (
 from . import placement, ports
 from .actors import first_line, kill_actors, start_rank_actor, wait_all
 from .cluster import check_versions
-from .endings import died, exit_gracefully, inspect_hang, last_words, salvage, spool_path
+from .endings import crash_on_exit, died, exit_gracefully, inspect_hang, last_words, salvage, spool_path
 from .links import check_rendezvous
 from .spares import SparePool, SparesUnusable
 from .supervise import StopSignal
@@ -102,6 +102,10 @@ class RankGang:
         self.spec, self.stop, self.profile = spec, stop, profile
         self.name, self.attempt, self.fixed_size = name, attempt, fixed_size
         self.gpu_share, self.host = gpu_share, host
+        # what every rank's process must have from its start (PYTHONHASHSEED, LD_PRELOAD, ...)
+        self.start_env = startup_env(
+            profile=profile, overrides=spec.env_overrides, forwarded=dict(spec.forwarded)
+        )
         self.groups: list = []
         self.slots: list[RankSlot] = []
         self.actors: list = []
@@ -168,7 +172,7 @@ class RankGang:
         """The warm pool of `megaray up --warm`, when this launch's layout is its (driver/pool.py)."""
         from . import pool
 
-        taken = pool.take(self.spec, self.stop) if self.host is None else None
+        taken = pool.take(self.spec, self.stop, self.start_env) if self.host is None else None
         if taken is None:
             return False
         self.groups, self.slots, self.actors, self.reports = (
@@ -237,7 +241,7 @@ class RankGang:
             start_rank_actor(
                 f"{self.name}-rank{s.rank}", self.groups[s.group], s.bundle, job=spec.job_name, rank=s.rank,
                 node_ip=s.node_ip, num_cpus=spec.cpus_per_rank * self.gpu_share,
-                num_gpus=self.gpu_share if spec.uses_gpus else 0,
+                num_gpus=self.gpu_share if spec.uses_gpus else 0, start_env=self.start_env,
             )
             for s in self.slots
         ]  # fmt: skip
@@ -305,8 +309,18 @@ class RankGang:
         node; one still running after `grace_s` is killed and named (endings.py)."""
         for a in self.actors:
             a.__ray_terminate__.remote()
-        exit_gracefully(self.handles, self.lingering, grace_s, self.stop, self.sink)
+        crashed = exit_gracefully(self.handles, self.lingering, grace_s, self.stop, self.sink)
         self.mark("exited")
+        if crashed:
+            at = time.time()
+            failures = []
+            for rank in crashed:
+                try:
+                    tail = ray.get(self.sink.tail.remote(rank), timeout=5)
+                except ray.exceptions.RayError:
+                    tail = []
+                failures.append(crash_on_exit(self.handles[rank], tail, at))
+            raise RankFailedError(failures, self.world_size)
 
     def wait_stopped(self, refs: list, grace_s: float) -> None:
         """After a stop: give the ranks still running `grace_s` to end on their SIGTERM."""

@@ -242,8 +242,12 @@ class Attempt:
             self.failure = e
             raise
         gang.mark("finished")
+        try:
+            gang.exit_gracefully(spec.exit_grace_s)
+        except RankFailedError as e:  # a process died on its way out: its exit status, under torchrun
+            self.failure = e
+            raise
         self.succeeded = True
-        gang.exit_gracefully(spec.exit_grace_s)
         log.info("all %d ranks finished in %.1f s", spec.world_size, gang.timings["finished"])
         return LaunchResult(spec.job_name, spec.world_size, *gang.master, gang.ranks, returns, gang.timings)
 
@@ -259,7 +263,7 @@ class Attempt:
         if spec.spares and self.number < spec.max_restarts and due:
             self.spares_out = SparePool(
                 f"{spec.job_name}-a{self.number + 1}", spec.job_name, spec.target, gang.groups, gang.slots,
-                gang.reports, [h.env.to_set for h in gang.handles],
+                gang.reports, [h.env.to_set for h in gang.handles], gang.start_env,
             )  # fmt: skip
 
     def hand_over(self) -> SparePool | None:

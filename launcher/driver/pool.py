@@ -173,9 +173,10 @@ class Taken:
     sink: object | None  # the output sink started ahead on this driver's node
 
 
-def take(spec: LaunchSpec, stop: StopSignal) -> Taken | None:
-    """The pool's processes for this launch, in rank order, or None (no pool, another layout, or
-    another launch took it): then the launch starts cold."""
+def take(spec: LaunchSpec, stop: StopSignal, start_env: dict[str, str] | None = None) -> Taken | None:
+    """The pool's processes for this launch, in rank order, or None (no pool, another layout, start-up
+    variables its processes did not start with, or another launch took it): then the launch starts
+    cold."""
     layout = recorded()
     if layout is None:
         return None
@@ -188,6 +189,14 @@ def take(spec: LaunchSpec, stop: StopSignal) -> Taken | None:
             log.info(
                 "the %s is for %s: given back for this launch's layout, which starts cold",
                 layout.kind, layout.describe(),
+            )  # fmt: skip
+        return None
+    if start_env:
+        if give_back(layout):  # its processes started without them; the launch needs the room
+            log.info(
+                "this launch sets start-up variables (%s), which the %s's processes did not start with: "
+                "given back, and this launch's rank processes start afresh with them",
+                ", ".join(start_env), layout.kind,
             )  # fmt: skip
         return None
     # refilled at the end of the last launch without waiting: placed once the raylet freed that

@@ -91,13 +91,15 @@ class SparePool:
     their own; it keeps the attempt's placement groups, slots, GPU ids and process ids."""
 
     def __init__(self, name: str, job: str, target: Target, groups: list, slots: list[RankSlot],
-                 reports: list[RankReport], envs: list[dict[str, str]]):  # fmt: skip
+                 reports: list[RankReport], envs: list[dict[str, str]],
+                 start_env: dict[str, str] | None = None):  # fmt: skip
         self.groups, self.slots = groups, slots
         self.gpu_ids = [r.gpu_ids for r in reports]
         self.replaces_pids = [r.pid for r in reports]
         self.actors = [
             start_rank_actor(f"{name}-rank{s.rank}", groups[s.group], s.bundle, job=job, rank=s.rank,
-                             node_ip=s.node_ip, num_cpus=0, num_gpus=0)  # the bundle holds the resources
+                             node_ip=s.node_ip, num_cpus=0, num_gpus=0,  # the bundle holds the resources
+                             start_env=start_env)
             for s in slots
         ]  # fmt: skip
         steps = warm_steps(target)

@@ -22,6 +22,7 @@ from typing import Any
 import ray
 
 from ..core.errors import ClusterError
+from ..core.rankenv import RANK_PROCESS_ENV
 from ..core.refs import load_function, split_ref
 from ..core.target import Target, TargetKind
 from ..core.topology import RankReport, candidate_ports
@@ -34,7 +35,7 @@ from .probes import (
     port_is_free,
     wait_gone,
 )
-from .spool import log_dir, oom_kills
+from .spool import exit_mark, log_dir, mark_exit, oom_kills
 
 _THIS_FILE = str(Path(__file__).resolve())
 
@@ -43,6 +44,8 @@ class RankActor:
     """One rank. Ray uses `__repr__` as the log prefix, so output reads `(rank3@10.0.0.9/gpu1 ...)`."""
 
     def __init__(self, job: str, rank: int, node_ip: str, pooled: dict[str, Any] | None = None):
+        for key in RANK_PROCESS_ENV:  # Ray's, for starting this process (core/rankenv.py)
+            os.environ.pop(key, None)
         self.job = job
         self.rank = rank
         self.node_ip = node_ip or ray.util.get_node_ip_address()
@@ -52,6 +55,7 @@ class RankActor:
         self.capture = None
         self.store_host = None  # rank 0's: the rendezvous store (rank/store.py)
         self.claimed_by: str | None = None
+        self.exit_marked = False
         if pooled:  # a pool's process (driver/pool.py): import now if warm, give the bundle back when idle
             from .warmup import expire_when_idle, warm
 
@@ -163,6 +167,11 @@ class RankActor:
         # installs a handler of its own (Megatron-Bridge saves a checkpoint in one). Ray's worker
         # handler would otherwise turn it into an exception the program may swallow.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        as_a_plain_process()
+        if spool is not None and not self.exit_marked:
+            # registered before the program's own handlers, so it runs after all of them
+            atexit.register(mark_exit, exit_mark(spool))
+            self.exit_marked = True
         self.atexit_before = atexit._ncallbacks()
         if sink is not None and spool is not None and self.capture is None:
             from .capture import Capture
@@ -199,6 +208,26 @@ class RankActor:
             sys.stderr.flush()
             if self.capture is not None:
                 self.capture.sync()  # the driver has every line of this rank before its result
+
+
+def as_a_plain_process() -> None:
+    """What a Ray worker process differs in from a process torchrun starts, made right where it can
+    be once the process runs (rank/actor.py runs methods in the process's main thread):
+
+    - SIGINT: Ray's workers start with it blocked, and every process a rank starts inherits the
+      mask: `KeyboardInterrupt` never came and a child sent SIGINT survived. Unblocked, with Python's
+      own handler.
+    - stdin: a Ray worker inherits the terminal of whoever started Ray, from a background process
+      group, so `input()` stopped the rank (SIGTTIN) until the hang timeout. A rank reads end-of-file
+      instead (`input()` raises EOFError), as under most cluster launchers.
+    """
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        os.dup2(null, 0)
+    finally:
+        os.close(null)
 
 
 def lingering(atexit_before: int) -> list[str]:

@@ -34,6 +34,18 @@ def spool_name(job: str, rank: int, pid: int) -> str:
     return f"megaray-{job}-rank{rank}-{pid}.out"
 
 
+def exit_mark(spool: str) -> str:
+    """The file a rank's process writes as the last of its exit handlers (rank/actor.py): one whose
+    process ended without it died on the way out (a signal, os._exit), which under torchrun is the
+    worker's exit status, a failure."""
+    return spool + ".exit"
+
+
+def mark_exit(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+
+
 def oom_kills() -> int | None:
     """How many processes the kernel's OOM killer has killed on this machine since boot."""
     with contextlib.suppress(OSError, ValueError):
@@ -76,14 +88,22 @@ def ship(sink: Any, spools: list[tuple[int, str]], delete: bool) -> dict[str, An
 
 
 def exit_and_ship(
-    pids: list[int], grace_s: float, sink: Any, spools: list[tuple[int, str]]
-) -> list[float | None]:
+    pids: list[int], grace_s: float, sink: Any, spools: list[tuple[int, str]], marks: list[str | None]
+) -> list[tuple[float | None, bool]]:
     """On a node, after the program returned: watch the processes end (probes.wait_exited), then
-    ship what they printed on the way out (atexit handlers, non-daemon threads)."""
+    ship what they printed on the way out (atexit handlers, non-daemon threads). For each process:
+    the seconds it took (None: killed after `grace_s`) and whether it ended cleanly (its exit mark
+    written; True where it has none to write)."""
     from .probes import wait_exited
 
     took = wait_exited(pids, grace_s)
+    clean = []
+    for mark in marks:
+        clean.append(mark is None or os.path.exists(mark))
+        if mark is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(mark)
     if sink is not None and spools:
         with contextlib.suppress(Exception):  # the sink is gone: the driver is going too
             ship(sink, spools, delete=True)
-    return took
+    return list(zip(took, clean, strict=True))
