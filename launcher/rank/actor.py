@@ -27,6 +27,7 @@ from ..core.refs import load_function, split_ref
 from ..core.target import Target, TargetKind
 from ..core.topology import RankReport, candidate_ports
 from ..core.versions import python_version
+from .plain_process import as_a_plain_process, fresh_sys_path, use_own_modules
 from .probes import (
     REPLACED_EXIT_TIMEOUT_S,
     ephemeral_range,
@@ -168,6 +169,9 @@ class RankActor:
         # handler would otherwise turn it into an exception the program may swallow.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         as_a_plain_process()
+        if spool is not None:
+            # where torch elastic's @record writes the error of a failed rank, as under torchrun
+            os.environ["TORCHELASTIC_ERROR_FILE"] = spool.removesuffix(".out") + "-error.json"
         if spool is not None and not self.exit_marked:
             # registered before the program's own handlers, so it runs after all of them
             atexit.register(mark_exit, exit_mark(spool))
@@ -202,32 +206,15 @@ class RankActor:
             what = f"exited with code {code}" + ("" if isinstance(e.code, int) else f": {e.code}")
             return _failure("exit", what, e, exit_code=code)
         except BaseException as e:
-            return _failure("exception", f"{type(e).__name__}: {e}".strip().splitlines()[0], e)
+            failure = _failure("exception", f"{type(e).__name__}: {e}".strip().splitlines()[0], e)
+            # as Python prints an exception that ends a program: the rank's log keeps it too
+            print(failure["traceback"], end="", file=sys.stderr, flush=True)
+            return failure
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
             if self.capture is not None:
                 self.capture.sync()  # the driver has every line of this rank before its result
-
-
-def as_a_plain_process() -> None:
-    """What a Ray worker process differs in from a process torchrun starts, made right where it can
-    be once the process runs (rank/actor.py runs methods in the process's main thread):
-
-    - SIGINT: Ray's workers start with it blocked, and every process a rank starts inherits the
-      mask: `KeyboardInterrupt` never came and a child sent SIGINT survived. Unblocked, with Python's
-      own handler.
-    - stdin: a Ray worker inherits the terminal of whoever started Ray, from a background process
-      group, so `input()` stopped the rank (SIGTTIN) until the hang timeout. A rank reads end-of-file
-      instead (`input()` raises EOFError), as under most cluster launchers.
-    """
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    null = os.open(os.devnull, os.O_RDONLY)
-    try:
-        os.dup2(null, 0)
-    finally:
-        os.close(null)
 
 
 def lingering(atexit_before: int) -> list[str]:
@@ -287,10 +274,10 @@ def run_target(target: Target, cwd: str) -> Any:
                 "(shared filesystem or the same checkout)"
             )
         sys.argv = [path, *target.args]
-        sys.path.insert(0, os.path.dirname(path))
+        use_own_modules(fresh_sys_path(os.path.dirname(path)))
         runpy.run_path(path, run_name="__main__")
         return None
-    sys.path.insert(0, cwd)
+    use_own_modules(fresh_sys_path(cwd))  # as `python -m`, which puts the working folder first
     if target.kind is TargetKind.MODULE:
         sys.argv = [target.name, *target.args]
         runpy.run_module(target.name, run_name="__main__", alter_sys=True)

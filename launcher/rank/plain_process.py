@@ -1,0 +1,109 @@
+"""What a Ray worker process differs in from a process torchrun starts, made right once it runs.
+
+A rank runs its program in the Ray worker process of its actor (rank/actor.py). Ray starts that
+process with its own settings; a program must see the process torchrun would have given it. What
+has to be there from the process's start (start-up variables, niceness) is given to Ray when the
+actor is created (driver/actors.py); the rest is put right here, before the program runs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+
+# Ray overwrites it in every worker (its remote debugger); a program under torchrun gets the value
+# its process started with, if any (PYTHONBREAKPOINT=0 turns breakpoint() off; unset, it is pdb).
+RAY_OVERWRITES = ("PYTHONBREAKPOINT",)
+
+
+def as_a_plain_process() -> None:
+    """Signals and stdin, in the process's main thread (where rank/actor.py runs methods):
+
+    - SIGINT: Ray's workers start with it blocked, and every process a rank starts inherits the
+      mask: `KeyboardInterrupt` never came and a child sent SIGINT survived. Unblocked, with Python's
+      own handler.
+    - stdin: a Ray worker inherits the terminal of whoever started Ray, from a background process
+      group, so `input()` stopped the rank (SIGTTIN) until the hang timeout. A rank reads end-of-file
+      instead (`input()` raises EOFError), as under most cluster launchers.
+    - PYTHONBREAKPOINT: back to what the process started with, so `breakpoint()` is pdb, not Ray's
+      remote debugger (which warns about a missing debugpy and carries on).
+    """
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    null = os.open(os.devnull, os.O_RDONLY)
+    try:
+        os.dup2(null, 0)
+    finally:
+        os.close(null)
+    at_start = environ_at_start()
+    for key in RAY_OVERWRITES:
+        if key in at_start:
+            os.environ[key] = at_start[key]
+        else:
+            os.environ.pop(key, None)
+
+
+def environ_at_start() -> dict[str, str]:
+    """The environment this process was started with (before Ray changed os.environ)."""
+    try:
+        raw = open("/proc/self/environ", "rb").read()  # noqa: SIM115
+    except OSError:
+        return {}
+    out = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            out[key.decode(errors="replace")] = value.decode(errors="replace")
+    return out
+
+
+def fresh_sys_path(first: str) -> list[str]:
+    """sys.path as a fresh `python script.py` starts with: `first` (the script's folder; the working
+    folder for `-m`), then what the interpreter makes of PYTHONPATH, the standard library and
+    site-packages (.pth files included), asked of this interpreter started afresh with this
+    process's environment. A Ray worker's has Ray's own folders ahead of all that (its worker folder,
+    its `thirdparty_files`, the working folder)."""
+    ask = "import sys, json; print(json.dumps(sys.path[1:]))"
+    try:
+        done = subprocess.run(
+            [sys.executable, "-c", ask], capture_output=True, text=True, timeout=60, stdin=subprocess.DEVNULL
+        )
+        rest = json.loads(done.stdout)
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return [first, *sys.path]
+    return [first, *rest]
+
+
+def use_own_modules(path: list[str]) -> None:
+    """Set sys.path to `path`, and forget the modules Ray loaded from its `thirdparty_files` (its own
+    psutil and colorama) where `path` has the program's own: the program imports those, as under
+    torchrun. Ray keeps the objects it holds."""
+    import ray
+
+    bundled = os.path.join(os.path.dirname(os.path.abspath(ray.__file__)), "thirdparty_files") + os.sep
+    sys.path[:] = path
+    shadowed = {
+        name.partition(".")[0]
+        for name, mod in list(sys.modules.items())
+        if (getattr(mod, "__file__", None) or "").startswith(bundled)
+    }
+    for top in shadowed:
+        with contextlib.suppress(ImportError, ValueError):
+            if _find_outside(top, bundled) is None:
+                continue  # the program has none of its own: Ray's stays
+            for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
+                del sys.modules[name]
+
+
+def _find_outside(top: str, bundled: str):
+    """The spec of top-level module `top` on sys.path, when it is not Ray's bundled copy."""
+    from importlib.machinery import PathFinder
+
+    spec = PathFinder.find_spec(top, sys.path)
+    if spec is None or (spec.origin or "").startswith(bundled):
+        return None
+    return spec

@@ -1,0 +1,151 @@
+"""A rank is a torchrun worker at the process level: one probe program (fixtures/process/probe.py),
+unchanged, run under torchrun and under megaray, sees the same process — start-up variables in
+effect, niceness, signal dispositions and masks, what SIGINT does to it and to its children, stdin,
+sys.path, breakpoint() — and a process that dies on its way out fails the launch under both. The
+pools of `megaray up` run the same probe in tests/test_up.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from .conftest import REPO
+
+pytestmark = pytest.mark.slow
+
+PROBE = Path(__file__).resolve().parent / "fixtures" / "process" / "probe.py"
+# What the probe sees differently, on purpose; README "The process" says why. Any other difference
+# fails the test.
+KNOWN_DIFFERENCES: frozenset[str] = frozenset()
+START_UP = {"PYTHONHASHSEED": "0", "PYTHONDEVMODE": "1", "PYTHONWARNINGS": "ignore::ResourceWarning"}
+
+
+def base_env(tmp_path: Path) -> dict[str, str]:
+    home = tmp_path / "home"
+    home.mkdir(exist_ok=True)
+    env = {
+        k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith(("RAY_AUTH", "PYTHON"))
+    }
+    return {**env, "HOME": str(home)}
+
+
+def probe_dir(tmp_path: Path, name: str) -> tuple[Path, Path]:
+    """A working folder holding the probe, and an empty folder for what it writes."""
+    work = tmp_path / f"work-{name}"
+    work.mkdir()
+    shutil.copy(PROBE, work / "probe.py")
+    out = tmp_path / f"out-{name}"
+    out.mkdir()
+    return work, out
+
+
+def seen(out: Path, world: int) -> list[dict]:
+    return [json.loads((out / f"seen-{r}.json").read_text()) for r in range(world)]
+
+
+def under_torchrun(
+    tmp_path: Path, script: str, *args: str, env: dict[str, str]
+) -> subprocess.CompletedProcess:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        script,
+        *args,
+    ]
+    return subprocess.run(cmd, cwd=Path(script).parent, env=env, capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)  # fmt: skip
+
+
+def under_megaray(tmp_path: Path, script: str, *args: str, env: dict[str, str], extra: tuple[str, ...] = ()):
+    cmd = [sys.executable, str(REPO / "main.py"), "--device", "cpu", "--gpus-per-node", "2", "--runs-dir",
+           str(tmp_path / "runs"), *extra, script, *args]  # fmt: skip
+    return subprocess.run(cmd, cwd=Path(script).parent, env=env, capture_output=True, text=True, timeout=300,
+                          stdin=subprocess.DEVNULL)  # fmt: skip
+
+
+def comparable(views: list[dict], work: Path) -> list[dict]:
+    """The probe's views with the one thing that differs between two runs, the folder, made equal."""
+    text = json.dumps(views).replace(str(work), "<work>")
+    return json.loads(text)
+
+
+def test_a_rank_sees_the_process_torchrun_gives_it(tmp_path):
+    env = base_env(tmp_path)
+    work_t, out_t = probe_dir(tmp_path, "torchrun")
+    done = under_torchrun(tmp_path, str(work_t / "probe.py"), str(out_t), env={**env, **START_UP})
+    assert done.returncode == 0, done.stderr[-3000:]
+    work_m, out_m = probe_dir(tmp_path, "megaray")
+    extra = tuple(a for k, v in START_UP.items() for a in ("--env", f"{k}={v}"))
+    done = under_megaray(tmp_path, str(work_m / "probe.py"), str(out_m), env=env, extra=extra)
+    assert done.returncode == 0, done.stderr[-3000:]
+    torchrun, megaray = comparable(seen(out_t, 2), work_t), comparable(seen(out_m, 2), work_m)
+    # the start-up variables took effect: hash randomisation off, the same hash on every rank
+    assert torchrun[0]["hash_randomization"] == 0 and torchrun[0]["dev_mode"] is True
+    assert len({v["hash"] for v in torchrun + megaray}) == 1
+    for rank, (t, m) in enumerate(zip(torchrun, megaray, strict=True)):
+        differ = {k: (t[k], m.get(k)) for k in t if t[k] != m.get(k) and k not in KNOWN_DIFFERENCES}
+        assert not differ, f"rank {rank} sees under megaray what it does not under torchrun: {differ}"
+    # what the probe found, spelled out: a torchrun worker's process
+    m = megaray[0]
+    assert m["nice"] == 0 and m["sig_blocked"] == "0000000000000000" and m["keyboard_interrupt"] == "raised"
+    assert m["child_sigint_exit"] == -2 and m["stdin"] == "EOFError" and m["breakpointhook"] is None
+    assert m["sys_path"][0] == "<work>" and not any("/ray/" in p for p in m["sys_path"])
+
+
+ABORT_ON_EXIT = """
+import atexit, os, sys
+print("rank", os.environ["RANK"], "returns", flush=True)
+if os.environ["RANK"] == "1":
+    atexit.register(os.abort)  # as a native library's teardown can
+"""
+
+
+def test_a_process_that_dies_on_its_way_out_fails_the_launch(tmp_path):
+    env = base_env(tmp_path)
+    script = tmp_path / "abort_on_exit.py"
+    script.write_text(ABORT_ON_EXIT)
+    torchrun = under_torchrun(tmp_path, str(script), env=env)
+    assert torchrun.returncode == 1 and "SIGABRT" in torchrun.stderr, torchrun.stderr[-3000:]
+    done = under_megaray(tmp_path, str(script), env=env)
+    report = done.stderr
+    assert done.returncode == 1, report[-3000:]
+    assert "all 2 ranks finished" not in report
+    assert "rank      : 1 of 2" in report and "after the program returned" in report, report[-3000:]
+    assert "killed by SIGABRT" in report and "Fatal Python error: Aborted" in report
+
+
+READS_STDIN = """
+import os
+try:
+    input()
+    print("rank", os.environ["RANK"], "read a line")
+except EOFError:
+    print("rank", os.environ["RANK"], "got EOFError")
+"""
+
+
+def test_input_never_stops_a_rank_run_from_a_terminal(tmp_path):
+    """On a terminal, a Ray worker's stdin is that terminal, from a background process group: input()
+    stopped the rank (SIGTTIN) until the hang timeout. A rank reads end-of-file."""
+    if shutil.which("script") is None:
+        pytest.skip("util-linux `script` (a pseudo-terminal) is not installed")
+    env = base_env(tmp_path)
+    script = tmp_path / "reads_stdin.py"
+    script.write_text(READS_STDIN)
+    cmd = (f"{sys.executable} {REPO / 'main.py'} --device cpu --gpus-per-node 2 --log-ranks all --runs-dir "
+           f"{tmp_path / 'runs'} {script}")  # fmt: skip
+    done = subprocess.run(["script", "-qec", cmd, "/dev/null"], env=env, capture_output=True, text=True,
+                          timeout=120, stdin=subprocess.DEVNULL, cwd=tempfile.gettempdir())  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:]
+    assert "rank 0 got EOFError" in done.stdout and "rank 1 got EOFError" in done.stdout, done.stdout[-3000:]
