@@ -47,7 +47,7 @@ def probe_dir(tmp_path: Path, name: str) -> tuple[Path, Path]:
 
 
 def seen(out: Path, world: int) -> list[dict]:
-    return [json.loads((out / f"seen-{r}.json").read_text()) for r in range(world)]
+    return [json.loads((out / f"process-{r}.json").read_text()) for r in range(world)]
 
 
 def under_torchrun(

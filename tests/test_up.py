@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from .conftest import REPO
+from .test_process import PROBE as PROCESS_PROBE
 
 pytestmark = pytest.mark.slow
 
@@ -146,10 +147,30 @@ seen = {
 }
 atexit.register(lambda: open(os.path.join(out, f"atexit-{rank}"), "w").write("done"))
 json.dump(seen, open(os.path.join(out, f"seen-{rank}.json"), "w"))
+import runpy
+runpy.run_path(sys.argv[2], run_name="__main__")  # what the process looks like (tests/test_process.py)
 """
 
 
-def probe_run(env: dict[str, str], tmp_path: Path, name: str) -> tuple[str, list[dict]]:
+def differences(views: list[dict], cold: list[dict]) -> dict:
+    """What a rank saw that it did not see on a cold start, by rank and key."""
+    out = {}
+    for rank, (v, c) in enumerate(zip(views, cold, strict=True)):
+        for key in v:
+            if key == "process":
+                out.update(
+                    {
+                        (rank, f"process.{k}"): (v[key][k], c[key].get(k))
+                        for k in v[key]
+                        if v[key][k] != c[key].get(k)
+                    }
+                )
+            elif v[key] != c.get(key):
+                out[(rank, key)] = (v[key], c.get(key))
+    return out
+
+
+def probe_run(env: dict[str, str], tmp_path: Path, name: str, *extra: str) -> tuple[str, list[dict]]:
     """The probe on 2 ranks; what each rank saw, and the launch's output."""
     import json
 
@@ -161,14 +182,17 @@ def probe_run(env: dict[str, str], tmp_path: Path, name: str) -> tuple[str, list
     out = tmp_path / name
     out.mkdir()
     cmd = [sys.executable, str(REPO / "main.py"), "--device", "cpu", "--gpus-per-node", "2", "--runs-dir",
-           str(tmp_path / "runs"), "probe.py", str(out)]  # fmt: skip
+           str(tmp_path / "runs"), *extra, "probe.py", str(out), str(PROCESS_PROBE)]  # fmt: skip
     p = subprocess.run(cmd, cwd=work, env=env, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert sorted(f.name for f in out.iterdir() if f.name.startswith("atexit")) == ["atexit-0", "atexit-1"]
     seen = [json.loads((out / f"seen-{r}.json").read_text()) for r in range(2)]
-    for s in seen:
-        assert s["argv"] == [str(out)]
+    for r, s in enumerate(seen):
+        assert s["argv"] == [str(out), str(PROCESS_PROBE)]
         s["argv"] = ["<out>"]  # the one thing that differs between the runs compared
+        s["process"] = json.loads((out / f"process-{r}.json").read_text())
+        if s["process"]["hash_randomization"]:
+            s["process"]["hash"] = "random"  # differs between any two processes
     return p.stderr, seen
 
 
@@ -184,7 +208,7 @@ def test_pools_run_programs_as_a_cold_start_refill_and_give_back_when_idle(env, 
         ), up.stderr[-2000:]
         started_log, started = probe_run(env, tmp_path, "started")
         assert "taking the pool (2 processes started, nothing imported)" in started_log
-        assert started == cold
+        assert started == cold, differences(started, cold)
         assert megaray(env, "down").returncode == 0
         up = megaray(env, "up", "--gpus-per-node", "2", "--warm", "--idle-timeout", "12")
         assert up.returncode == 0 and "with a warm pool" in up.stderr, up.stderr[-2000:]
@@ -200,10 +224,18 @@ def test_pools_run_programs_as_a_cold_start_refill_and_give_back_when_idle(env, 
             time.sleep(0.5)
         warm_log, warm = probe_run(env, tmp_path, "warm")
         assert "taking the warm pool (2 processes with torch imported)" in warm_log
-        assert warm == cold  # the program cannot tell: __main__, argv, cwd, env, its modules fresh, threads
+        assert warm == cold, differences(
+            warm, cold
+        )  # the program cannot tell: __main__, argv, cwd, env, its modules fresh, threads
         assert warm[0]["modules"] == ["probepkg", "probepkg.helper"] and warm[0]["helper_runs"] == 1
         again_log, again = probe_run(env, tmp_path, "again")  # the pool was refilled after the last launch
         assert "taking the warm pool" in again_log and again == cold
+        # a start-up variable the pool's processes did not start with: given back, started afresh
+        seeded_log, seeded = probe_run(env, tmp_path, "seeded", "--env", "PYTHONHASHSEED=0")
+        assert "sets start-up variables (PYTHONHASHSEED), which the warm pool's" in seeded_log
+        assert "taking the" not in seeded_log, seeded_log[-3000:]
+        assert {s["process"]["hash_randomization"] for s in seeded} == {0}
+        assert len({s["process"]["hash"] for s in seeded}) == 1
         # the pool refilled after that launch (it imports first) gives its bundles back when unclaimed
         # for --idle-timeout; `megaray list` says so
         deadline = time.monotonic() + 120

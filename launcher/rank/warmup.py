@@ -76,12 +76,13 @@ def expire_when_idle(actor: Any, group_name: str, idle_timeout_s: float, sinks: 
             import ray
             from ray.util import get_placement_group, remove_placement_group
 
-            with contextlib.suppress(Exception):
-                remove_placement_group(get_placement_group(group_name))
+            # the sinks first: removing the group ends this very process, with this thread
             for name in ray.util.list_named_actors() if sinks else ():
                 if name.startswith(sinks):
                     with contextlib.suppress(Exception):
                         ray.kill(ray.get_actor(name), no_restart=True)
+            with contextlib.suppress(Exception):
+                remove_placement_group(get_placement_group(group_name))
             with contextlib.suppress(Exception):
                 ray.actor.exit_actor()
 
