@@ -630,3 +630,21 @@ def test_the_doctor_s_link_matrix_names_each_pair_that_cannot_connect():
         "node 1 (10.0.0.10, ?) cannot reach node 0 (10.0.0.9, ens5) on the rendezvous ports: no answer "
         "within 3 s"
     ]
+
+
+def test_the_network_s_ca_and_proxies_reach_ranks_and_start_up_variables_are_told_apart():
+    from launcher.core.rankenv import forwarded_env, startup_env
+
+    shell = {"SSL_CERT_FILE": "/etc/ca.pem", "https_proxy": "http://p:3128", "MY_PASSWORD": "x", "HOME": "/h"}
+    assert forwarded_env(shell) == {"SSL_CERT_FILE": "/etc/ca.pem", "https_proxy": "http://p:3128"}
+    got = startup_env(
+        profile={"LD_LIBRARY_PATH": "/opt/efa/lib", "NCCL_DEBUG": "WARN", "PYTHONHASHSEED": "1"},
+        forwarded={"MALLOC_ARENA_MAX": "2"},
+        overrides={"PYTHONHASHSEED": "0", "GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"},
+    )
+    assert got == {
+        "GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0",
+        "LD_LIBRARY_PATH": "/opt/efa/lib",
+        "MALLOC_ARENA_MAX": "2",
+        "PYTHONHASHSEED": "0",  # --env over the profile
+    }

@@ -6,7 +6,8 @@ Precedence, stated once:
      the node already had is replaced with a logged note;
   2. `--env KEY=VALUE` on the command line;
   2b. what the launching shell exported, for the libraries ranks use (FORWARDED_PREFIXES: NCCL_,
-     TORCH_, HF_, WANDB_, ...); nothing else of the driver's environment reaches a rank;
+     TORCH_, HF_, WANDB_, ...) and the network (FORWARDED_NAMES: a custom CA, proxies); nothing
+     else of the driver's environment reaches a rank;
   3. the env profile (`--env-profile`);
   4. what the node's Ray worker inherited (the environment `ray start` ran with);
   5. the launcher defaults (OMP_NUM_THREADS=1, TORCH_NCCL_ASYNC_ERROR_HANDLING=1, as torchrun; and
@@ -201,14 +202,22 @@ FORWARDED_PREFIXES = (
     "MEGATRON", "OMP_", "GLOO_", "FI_",
 )  # fmt: skip
 NOT_FORWARDED = frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_HOME"})  # the node's own
+# How the shell reaches the network: a custom CA (HTTPS to a hub or a bucket through a corporate
+# proxy fails in ranks without it) and the proxies, as Python's ssl, requests, curl and urllib read them.
+FORWARDED_NAMES = frozenset({
+    "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "HTTP_PROXY", "HTTPS_PROXY",
+    "NO_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "no_proxy", "all_proxy",
+})  # fmt: skip
 
 
 def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The launching shell's variables that every rank gets (FORWARDED_PREFIXES)."""
+    """The launching shell's variables that every rank gets (FORWARDED_PREFIXES, FORWARDED_NAMES)."""
     return {
         k: v
         for k, v in sorted(environ.items())
-        if k.startswith(FORWARDED_PREFIXES) and k not in NOT_FORWARDED and k not in CONTRACT_KEYS
+        if (k.startswith(FORWARDED_PREFIXES) or k in FORWARDED_NAMES)
+        and k not in NOT_FORWARDED
+        and k not in CONTRACT_KEYS
     }
 
 

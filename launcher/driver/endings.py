@@ -54,12 +54,12 @@ def exit_gracefully(
     grace_s: float,
     stop: StopSignal,
     sink: Any = None,
-) -> list[int]:
+) -> list[RankFailure]:
     """Watch the processes of ranks told to exit end as Python processes do (non-daemon threads
     joined, atexit handlers run: trackers flush, uploads finish), each by a task on its node; kill
     and name those still running after `grace_s`; then what they printed on the way out reaches
     the sink. Ctrl-C stops the wait. Returns the ranks whose process died on the way out (a crash in
-    an exit handler, a signal, os._exit): failures, as torchrun counts a worker's exit status.
+    an exit handler, a signal, os._exit), each as a failure, as torchrun counts a worker's exit status.
 
     The ranks on the driver's own node are watched from the driver, in a thread: a task there would
     first wait for Ray to start a worker process, about a second on a small machine."""
@@ -98,7 +98,15 @@ def exit_gracefully(
             "rank(s) %s still running %gs after the program returned (%s): killed; give them longer "
             "with --exit-grace", format_rank_ranges(killed), grace_s, ", ".join(still) or "exit handlers",
         )  # fmt: skip
-    return crashed
+    at = time.time()
+    return [crash_on_exit(handles[rank], _tail(sink, rank), at) for rank in crashed]
+
+
+def _tail(sink: Any, rank: int) -> list[str]:
+    try:
+        return ray.get(sink.tail.remote(rank), timeout=5) if sink is not None else []
+    except ray.exceptions.RayError:
+        return []
 
 
 def _mark(h: RankHandle) -> str | None:

@@ -39,7 +39,7 @@ from ..core.topology import (
 from . import placement, ports
 from .actors import first_line, kill_actors, start_rank_actor, wait_all
 from .cluster import check_versions
-from .endings import crash_on_exit, died, exit_gracefully, inspect_hang, last_words, salvage, spool_path
+from .endings import died, exit_gracefully, inspect_hang, last_words, salvage, spool_path
 from .links import check_rendezvous
 from .spares import SparePool, SparesUnusable
 from .supervise import StopSignal
@@ -312,15 +312,7 @@ class RankGang:
         crashed = exit_gracefully(self.handles, self.lingering, grace_s, self.stop, self.sink)
         self.mark("exited")
         if crashed:
-            at = time.time()
-            failures = []
-            for rank in crashed:
-                try:
-                    tail = ray.get(self.sink.tail.remote(rank), timeout=5)
-                except ray.exceptions.RayError:
-                    tail = []
-                failures.append(crash_on_exit(self.handles[rank], tail, at))
-            raise RankFailedError(failures, self.world_size)
+            raise RankFailedError(crashed, self.world_size)
 
     def wait_stopped(self, refs: list, grace_s: float) -> None:
         """After a stop: give the ranks still running `grace_s` to end on their SIGTERM."""
