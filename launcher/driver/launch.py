@@ -248,6 +248,7 @@ class Attempt:
             self.failure = e
             raise
         self.succeeded = True
+        self.relay.catch_up()  # what the ranks printed last (on their way out too), before the last word
         log.info("all %d ranks finished in %.1f s", spec.world_size, gang.timings["finished"])
         return LaunchResult(spec.job_name, spec.world_size, *gang.master, gang.ranks, returns, gang.timings)
 

@@ -200,6 +200,12 @@ class OutputRelay:
             return
         self._show(lines, records, writes)
 
+    def catch_up(self, wait_s: float = 5.0) -> None:
+        """Show everything the sink received up to now: a drain asked for earlier, then one asked now."""
+        self.pump(wait_s)
+        if self.drain_ref is None:
+            self.pump(wait_s)
+
     def _show(self, lines: list[str], records: list[dict[str, Any]], writes: int) -> None:
         if writes != self.writes_seen:
             self.writes_seen, self.last_activity = writes, time.monotonic()
