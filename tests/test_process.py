@@ -149,3 +149,35 @@ def test_input_never_stops_a_rank_run_from_a_terminal(tmp_path):
                           timeout=120, stdin=subprocess.DEVNULL, cwd=tempfile.gettempdir())  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:]
     assert "rank 0 got EOFError" in done.stdout and "rank 1 got EOFError" in done.stdout, done.stdout[-3000:]
+
+
+ON_SPARES = """
+import os, runpy, sys, time
+from launcher import report
+if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
+    report(1)  # progress: the warm spares of the next attempt start now
+    time.sleep(20)  # while they import
+    sys.exit(3 if os.environ["RANK"] == "1" else 0)
+sys.argv = sys.argv[1:]  # the probe's own command line: probe.py OUT
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_warm_spares_run_the_next_attempt_in_the_process_torchrun_gives(tmp_path):
+    """A restart on the warm spares (processes started beside the first attempt) runs the probe in
+    the same process a cold start gives it, start-up variables included."""
+    env = base_env(tmp_path)
+    work, out = probe_dir(tmp_path, "spares")
+    (work / "on_spares.py").write_text(ON_SPARES)
+    extra = ("--max-restarts", "1", "--env", "PYTHONHASHSEED=0")
+    done = under_megaray(tmp_path, str(work / "on_spares.py"), str(work / "probe.py"), str(out), env=env,
+                         extra=extra)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "relaunching every rank (on the warm spares)" in done.stderr, done.stderr[-3000:]
+    views = comparable(seen(out, 2), work)
+    for v in views:
+        assert v["nice"] == 0 and v["sig_blocked"] == "0000000000000000" and v["stdin"] == "EOFError"
+        assert v["keyboard_interrupt"] == "raised" and v["child_sigint_exit"] == -2
+        assert v["hash_randomization"] == 0 and v["breakpointhook"] is None and v["error_file_set"]
+        assert v["sys_path"][0] == "<work>" and not any("/ray/" in p for p in v["sys_path"])
+    assert len({v["hash"] for v in views}) == 1
