@@ -648,3 +648,21 @@ def test_the_network_s_ca_and_proxies_reach_ranks_and_start_up_variables_are_tol
         "MALLOC_ARENA_MAX": "2",
         "PYTHONHASHSEED": "0",  # --env over the profile
     }
+
+
+def test_help_names_every_command_with_one_line_each(capsys):
+    from launcher.cli.commands import COMMANDS
+    from launcher.cli.main import main as cli_main
+
+    with pytest.raises(SystemExit) as done:
+        cli_main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    listed = out[out.index("commands (megaray COMMAND --help for each):") :].splitlines()[1:]
+    names = [ln.split()[0] for ln in listed if ln.startswith("  ") and ln.strip()]
+    assert names == ["up", "down", "list", "submit", "status", "logs", "stop", "recipes", "doctor"]
+    assert set(names) == set(COMMANDS)
+    for name in names:  # each command answers --help itself
+        with pytest.raises(SystemExit) as sub:
+            cli_main([name, "--help"])
+        assert sub.value.code == 0, name
