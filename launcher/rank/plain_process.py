@@ -15,6 +15,8 @@ import signal
 import subprocess
 import sys
 
+from .probes import inherited_env
+
 # Ray overwrites it in every worker (its remote debugger); a program under torchrun gets the value
 # its process started with, if any (PYTHONBREAKPOINT=0 turns breakpoint() off; unset, it is pdb).
 RAY_OVERWRITES = ("PYTHONBREAKPOINT",)
@@ -39,26 +41,12 @@ def as_a_plain_process() -> None:
         os.dup2(null, 0)
     finally:
         os.close(null)
-    at_start = environ_at_start()
+    at_start = inherited_env()  # the environment this process started with, before Ray changed it
     for key in RAY_OVERWRITES:
         if key in at_start:
             os.environ[key] = at_start[key]
         else:
             os.environ.pop(key, None)
-
-
-def environ_at_start() -> dict[str, str]:
-    """The environment this process was started with (before Ray changed os.environ)."""
-    try:
-        raw = open("/proc/self/environ", "rb").read()  # noqa: SIM115
-    except OSError:
-        return {}
-    out = {}
-    for item in raw.split(b"\0"):
-        key, sep, value = item.partition(b"=")
-        if sep:
-            out[key.decode(errors="replace")] = value.decode(errors="replace")
-    return out
 
 
 def fresh_sys_path(first: str) -> list[str]:
