@@ -60,8 +60,15 @@ def _rank_actor_class() -> Any:
 
 
 def on_node(node_id: str) -> dict[str, Any]:
-    """Options for a helper (a task or actor) that must run on `node_id` and reserve nothing there."""
-    return {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
+    """Options for a helper (a task or actor) that must run on `node_id` and reserve nothing there.
+    It runs at the ranks' niceness (RANK_PROCESS_ENV), as torchrun's agent runs at its workers': at
+    Ray's 15 its start would wait behind busy ranks (a dead rank's last output, salvaged by one, came
+    too late on a loaded node)."""
+    return {
+        "num_cpus": 0,
+        "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
+        "runtime_env": {"env_vars": dict(RANK_PROCESS_ENV)},
+    }
 
 
 def kill_actors(actors: Iterable[Any]) -> None:
