@@ -223,11 +223,12 @@ def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
 
 # Ray starts its worker processes at niceness 15 (its `worker_niceness`, so that they yield the CPU to
 # the raylet and GCS); torchrun's workers run at the launcher's, 0, and a rank's data-loader workers
-# inherit it. Ray reads this variable from the runtime environment a worker starts for
-# (driver/actors.py); its own job manager sets it there for the actor a job's driver runs in, for the
-# same reason. The rank removes it from its environment (rank/actor.py): torchrun's have none.
+# inherit it. The nodes megaray starts itself (a local run's, simulated ones, `megaray up`'s) are
+# started with it at 0 (driver/nodeenv.py), so every worker there, ranks and megaray's helpers alike,
+# runs at 0; a cluster started by hand keeps its own (`ray start` with RAY_worker_niceness=0 gives
+# the same). A rank removes the variable from its environment (rank/actor.py): torchrun's have none.
 NICENESS_VAR = "RAY_worker_niceness"
-RANK_PROCESS_ENV = {NICENESS_VAR: "0"}
+NODE_DEFAULTS = {NICENESS_VAR: "0"}
 
 
 # Read when a process starts, by the interpreter (PYTHONHASHSEED, PYTHONWARNINGS, PYTHONDEVMODE,

@@ -12,7 +12,6 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from ..core.rankenv import RANK_PROCESS_ENV
 from .cluster import NAMESPACE
 from .supervise import StopSignal
 
@@ -43,7 +42,9 @@ def start_rank_actor(
             num_gpus=num_gpus,
             max_restarts=0,
             lifetime="detached" if pooled else None,
-            runtime_env={"env_vars": {**RANK_PROCESS_ENV, **(start_env or {})}},
+            # a runtime environment of its own only when needed: a worker Ray started ahead (for
+            # none) cannot take it, and starting one costs about a second of the launch
+            runtime_env={"env_vars": dict(start_env)} if start_env else None,
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle),
         )
         .remote(job, rank, node_ip, pooled)
@@ -61,14 +62,8 @@ def _rank_actor_class() -> Any:
 
 def on_node(node_id: str) -> dict[str, Any]:
     """Options for a helper (a task or actor) that must run on `node_id` and reserve nothing there.
-    It runs at the ranks' niceness (RANK_PROCESS_ENV), as torchrun's agent runs at its workers': at
-    Ray's 15 its start would wait behind busy ranks (a dead rank's last output, salvaged by one, came
-    too late on a loaded node)."""
-    return {
-        "num_cpus": 0,
-        "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False),
-        "runtime_env": {"env_vars": dict(RANK_PROCESS_ENV)},
-    }
+    Like the ranks, it runs at the node's worker niceness (core/rankenv.py NODE_DEFAULTS)."""
+    return {"num_cpus": 0, "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id, soft=False)}
 
 
 def kill_actors(actors: Iterable[Any]) -> None:

@@ -8,6 +8,8 @@ import contextlib
 import os
 from collections.abc import Iterator
 
+from ..core.rankenv import NODE_DEFAULTS
+
 # What a node's `ray start` would have in its environment: the login basics and the Python it runs,
 # Ray's own settings and machine-level fixes; not the variables of whoever launched (rankenv.py
 # forwards the ones ranks need, the same way locally and on a cluster).
@@ -24,6 +26,7 @@ def node_environment() -> Iterator[None]:
     """Start local Ray processes with a node's environment, not the driver's (restored after)."""
     saved = dict(os.environ)
     keep = {k: v for k, v in saved.items() if k in NODE_ENV or k.startswith(NODE_ENV_PREFIXES)}
+    keep = {**NODE_DEFAULTS, **keep}  # the driver's own RAY_worker_niceness, if any, wins
     os.environ.clear()
     os.environ.update(keep)
     try:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.errors import ClusterError, UsageError
+from ..core.rankenv import NODE_DEFAULTS
 from ..core.raytoken import auth_disabled, find_token, token_path
 from ..rank.probes import process_state
 
@@ -116,6 +117,7 @@ def start(
     gpus = gpus_per_node if device == "gpu" else 0
     env = {k: v for k, v in os.environ.items() if k in NODE_ENV or k.startswith(NODE_ENV_PREFIXES)}
     env.pop("RAY_ADDRESS", None)
+    env = {**NODE_DEFAULTS, **env}  # ranks at niceness 0, as torchrun's (core/rankenv.py)
     # Ray 2.60's default for a new head; a worker joining by address needs it said
     env.setdefault("RAY_AUTH_MODE", "token")
     if not auth_disabled(env):

@@ -22,7 +22,7 @@ from typing import Any
 import ray
 
 from ..core.errors import ClusterError
-from ..core.rankenv import RANK_PROCESS_ENV
+from ..core.rankenv import NODE_DEFAULTS
 from ..core.refs import load_function, split_ref
 from ..core.target import Target, TargetKind
 from ..core.topology import RankReport, candidate_ports
@@ -45,7 +45,7 @@ class RankActor:
     """One rank. Ray uses `__repr__` as the log prefix, so output reads `(rank3@10.0.0.9/gpu1 ...)`."""
 
     def __init__(self, job: str, rank: int, node_ip: str, pooled: dict[str, Any] | None = None):
-        for key in RANK_PROCESS_ENV:  # Ray's, for starting this process (core/rankenv.py)
+        for key in NODE_DEFAULTS:  # Ray's, for starting this process (core/rankenv.py)
             os.environ.pop(key, None)
         self.job = job
         self.rank = rank
