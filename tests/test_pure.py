@@ -666,3 +666,15 @@ def test_help_names_every_command_with_one_line_each(capsys):
         with pytest.raises(SystemExit) as sub:
             cli_main([name, "--help"])
         assert sub.value.code == 0, name
+
+
+def test_a_crash_in_ray_s_own_teardown_is_told_from_the_program_s():
+    from launcher.core.deaths import ray_teardown_crash
+
+    ray_s = [
+        "[mutex.cc : 452] RAW: Lock blocking 0x5604d1504610   @ 0x7f9d28c51712 0x7f9d27d0176c",
+        "[mutex.cc : 1957] RAW: Check (v & (kMuWait | kMuWrWait)) != kMuWrWait failed: Lock: Mutex corrupt",
+        "Fatal Python error: Aborted",
+    ]
+    program_s = ["rank 1 returning", "Fatal Python error: Aborted", "", "Stack (most recent call first):"]
+    assert ray_teardown_crash(ray_s) and not ray_teardown_crash(program_s)

@@ -64,6 +64,18 @@ def death_cause(last_output: list[str] | tuple[str, ...], oom_kills: int | None)
     return None
 
 
+# Ray's own C++ teardown, on a worker told to exit, now and then aborts on an abseil mutex check
+# ("[mutex.cc : 1957] RAW: Check ... Mutex corrupt"): a crash of Ray's, after the program returned,
+# seen once in a few hundred rank exits here.
+_RAY_TEARDOWN = re.compile(r"\[mutex\.cc : \d+\] RAW: ")
+
+
+def ray_teardown_crash(last_output: list[str] | tuple[str, ...]) -> bool:
+    """Whether a process that died on its way out died in Ray's own teardown (its last output says
+    so), not in the program's exit handlers."""
+    return any(_RAY_TEARDOWN.search(line) for line in last_output[-20:])
+
+
 # Lines of a crash dump that say nothing to the program's author: Ray's own failure handler (the
 # same signal, again, with raw addresses), the list of extension modules, and stack frames of the
 # launcher, Ray and runpy below the program's own.

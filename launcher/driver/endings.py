@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import ray
 
-from ..core.deaths import death_cause, describe_death, readable_tail
+from ..core.deaths import death_cause, describe_death, ray_teardown_crash, readable_tail
 from ..core.errors import RankFailedError, RankFailure
 from ..core.topology import RankReport, format_rank_ranges
 from ..rank.spool import exit_and_ship, exit_mark, ship, spool_name
@@ -99,7 +99,17 @@ def exit_gracefully(
             "with --exit-grace", format_rank_ranges(killed), grace_s, ", ".join(still) or "exit handlers",
         )  # fmt: skip
     at = time.time()
-    return [crash_on_exit(handles[rank], _tail(sink, rank), at) for rank in crashed]
+    failures = []
+    for rank in crashed:
+        tail = _tail(sink, rank)
+        if ray_teardown_crash(tail):  # not the program's: its work is done, so it is not a failure
+            log.warning(
+                "rank %d's process crashed in Ray's own teardown after the program returned (%s): not "
+                "counted as a failure of the program", rank, readable_tail(tail)[-1] if tail else "?",
+            )  # fmt: skip
+            continue
+        failures.append(crash_on_exit(handles[rank], tail, at))
+    return failures
 
 
 def _tail(sink: Any, rank: int) -> list[str]:
