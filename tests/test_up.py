@@ -230,12 +230,6 @@ def test_pools_run_programs_as_a_cold_start_refill_and_give_back_when_idle(env, 
         assert warm[0]["modules"] == ["probepkg", "probepkg.helper"] and warm[0]["helper_runs"] == 1
         again_log, again = probe_run(env, tmp_path, "again")  # the pool was refilled after the last launch
         assert "taking the warm pool" in again_log and again == cold
-        # a start-up variable the pool's processes did not start with: given back, started afresh
-        seeded_log, seeded = probe_run(env, tmp_path, "seeded", "--env", "PYTHONHASHSEED=0")
-        assert "sets start-up variables (PYTHONHASHSEED), which the warm pool's" in seeded_log
-        assert "taking the" not in seeded_log, seeded_log[-3000:]
-        assert {s["process"]["hash_randomization"] for s in seeded} == {0}
-        assert len({s["process"]["hash"] for s in seeded}) == 1
         # the pool refilled after that launch (it imports first) gives its bundles back when unclaimed
         # for --idle-timeout; `megaray list` says so
         deadline = time.monotonic() + 120
@@ -247,6 +241,13 @@ def test_pools_run_programs_as_a_cold_start_refill_and_give_back_when_idle(env, 
             time.sleep(1)
         idle_log, after_idle = probe_run(env, tmp_path, "after-idle")
         assert "the warm pool is not there" in idle_log and after_idle == cold
+        # a start-up variable the pool's processes (refilled after the last launch) did not start with:
+        # given back, started afresh
+        seeded_log, seeded = probe_run(env, tmp_path, "seeded", "--env", "PYTHONHASHSEED=0")
+        assert "sets start-up variables (PYTHONHASHSEED), which the warm pool's" in seeded_log
+        assert "taking the" not in seeded_log, seeded_log[-3000:]
+        assert {s["process"]["hash_randomization"] for s in seeded} == {0}
+        assert len({s["process"]["hash"] for s in seeded}) == 1
     finally:
         down = megaray(env, "down")
     assert down.returncode == 0
