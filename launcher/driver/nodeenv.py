@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 
 from ..core.rankenv import NODE_DEFAULTS
 
@@ -21,12 +21,18 @@ NODE_ENV = frozenset({
 NODE_ENV_PREFIXES = ("LC_", "RAY_", "PYENV", "OPENBLAS_")
 
 
+def node_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The environment a node megaray starts runs with: what `environ` holds of NODE_ENV, over the
+    node defaults (core/rankenv.py NODE_DEFAULTS: ranks at niceness 0; the driver's own value wins)."""
+    keep = {k: v for k, v in environ.items() if k in NODE_ENV or k.startswith(NODE_ENV_PREFIXES)}
+    return {**NODE_DEFAULTS, **keep}
+
+
 @contextlib.contextmanager
 def node_environment() -> Iterator[None]:
     """Start local Ray processes with a node's environment, not the driver's (restored after)."""
     saved = dict(os.environ)
-    keep = {k: v for k, v in saved.items() if k in NODE_ENV or k.startswith(NODE_ENV_PREFIXES)}
-    keep = {**NODE_DEFAULTS, **keep}  # the driver's own RAY_worker_niceness, if any, wins
+    keep = node_env(saved)
     os.environ.clear()
     os.environ.update(keep)
     try:

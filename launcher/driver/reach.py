@@ -35,10 +35,15 @@ class GcsAnswer(enum.Enum):
     UNASKED = "unasked"  # the address could not be asked (a form grpc does not take, or TLS)
 
 
+def _uses_tls() -> bool:
+    """RAY_USE_TLS as Ray reads it: the GCS speaks TLS with the cluster's certificates."""
+    return os.environ.get("RAY_USE_TLS", "").lower() in ("1", "true")
+
+
 def ask_gcs(address: str, token: str | None = None, timeout_s: float = PROBE_TIMEOUT_S) -> GcsAnswer:
     """One gRPC call to the GCS at `address` carrying `token` (or none), instead of Ray's minutes of
     retries and log lines."""
-    if os.environ.get("RAY_USE_TLS", "").lower() in ("1", "true"):
+    if _uses_tls():
         return GcsAnswer.UNASKED  # the GCS speaks TLS with the cluster's certificates: Ray's to ask
     import grpc  # a Ray dependency
 
@@ -75,7 +80,7 @@ def check_reachable(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> GcsAnsw
             f"cannot reach a Ray cluster at {address} ({e.strerror or e}); start one with "
             "`ray start --head` or fix --address / RAY_ADDRESS"
         ) from None
-    tls = os.environ.get("RAY_USE_TLS", "").lower() in ("1", "true")
+    tls = _uses_tls()
     if answer is None and not tls:
         raise ClusterError(
             f"{address} accepts connections but says nothing within {timeout_s:.0f} s, so it is not a "

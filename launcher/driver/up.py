@@ -28,7 +28,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..core.errors import ClusterError, UsageError
-from ..core.rankenv import NODE_DEFAULTS
 from ..core.raytoken import auth_disabled, find_token, token_path
 from ..rank.probes import process_state
 
@@ -108,16 +107,15 @@ def start(
 
     from ..core.spec import RAY_NAMESPACE as NAMESPACE
     from .auth import token_mode
-    from .nodeenv import NODE_ENV, NODE_ENV_PREFIXES
+    from .nodeenv import node_env
 
     root = state_dir()
     temp_dir = root / "ray"
     port = _free_port()
     cpus = max(1, int(cpus_per_rank * gpus_per_node + 0.999))
     gpus = gpus_per_node if device == "gpu" else 0
-    env = {k: v for k, v in os.environ.items() if k in NODE_ENV or k.startswith(NODE_ENV_PREFIXES)}
+    env = node_env(os.environ)
     env.pop("RAY_ADDRESS", None)
-    env = {**NODE_DEFAULTS, **env}  # ranks at niceness 0, as torchrun's (core/rankenv.py)
     # Ray 2.60's default for a new head; a worker joining by address needs it said
     env.setdefault("RAY_AUTH_MODE", "token")
     if not auth_disabled(env):

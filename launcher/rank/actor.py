@@ -172,10 +172,9 @@ class RankActor:
         if spool is not None:
             # where torch elastic's @record writes the error of a failed rank, as under torchrun
             os.environ["TORCHELASTIC_ERROR_FILE"] = spool.removesuffix(".out") + "-error.json"
-        if spool is not None and not self.exit_marked:
-            # registered before the program's own handlers, so it runs after all of them
-            atexit.register(mark_exit, exit_mark(spool))
-            self.exit_marked = True
+            if not self.exit_marked:  # registered before the program's handlers: it runs after them
+                atexit.register(mark_exit, exit_mark(spool))
+                self.exit_marked = True
         self.atexit_before = atexit._ncallbacks()
         if sink is not None and spool is not None and self.capture is None:
             from .capture import Capture

@@ -2,13 +2,13 @@
 
 A rank runs its program in the Ray worker process of its actor (rank/actor.py). Ray starts that
 process with its own settings; a program must see the process torchrun would have given it. What
-has to be there from the process's start (start-up variables, niceness) is given to Ray when the
-actor is created (driver/actors.py); the rest is put right here, before the program runs.
+has to be there from the process's start is given to Ray: start-up variables when the actor is
+created (driver/actors.py), niceness when megaray starts the nodes (driver/nodeenv.py); the rest is
+put right here, before the program runs.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -80,18 +80,17 @@ def use_own_modules(path: list[str]) -> None:
         if (getattr(mod, "__file__", None) or "").startswith(bundled)
     }
     for top in shadowed:
-        with contextlib.suppress(ImportError, ValueError):
-            if _find_outside(top, bundled) is None:
-                continue  # the program has none of its own: Ray's stays
+        if _has_own(top, bundled):  # else the program has none of its own: Ray's stays
             for name in [n for n in sys.modules if n == top or n.startswith(top + ".")]:
                 del sys.modules[name]
 
 
-def _find_outside(top: str, bundled: str):
-    """The spec of top-level module `top` on sys.path, when it is not Ray's bundled copy."""
+def _has_own(top: str, bundled: str) -> bool:
+    """Whether sys.path has a top-level module `top` other than Ray's bundled copy."""
     from importlib.machinery import PathFinder
 
-    spec = PathFinder.find_spec(top, sys.path)
-    if spec is None or (spec.origin or "").startswith(bundled):
-        return None
-    return spec
+    try:
+        spec = PathFinder.find_spec(top, sys.path)
+    except (ImportError, ValueError):
+        return False
+    return spec is not None and not (spec.origin or "").startswith(bundled)
