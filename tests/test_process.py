@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -21,10 +22,46 @@ from .conftest import REPO
 pytestmark = pytest.mark.slow
 
 PROBE = Path(__file__).resolve().parent / "fixtures" / "process" / "probe.py"
-# What the probe sees differently, on purpose; README "The process" says why. Any other difference
-# fails the test.
-KNOWN_DIFFERENCES: frozenset[str] = frozenset()
 START_UP = {"PYTHONHASHSEED": "0", "PYTHONDEVMODE": "1", "PYTHONWARNINGS": "ignore::ResourceWarning"}
+# The shell both launchers start from: the basics, a secret, a custom CA, a library's variable, and a
+# thread count (numpy's BLAS must take it under both).
+SHELL = {"MY_PASSWORD": "hunter2", "AWS_CA_BUNDLE": "/etc/ssl/certs/ca-certificates.crt",
+         "NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "2"}  # fmt: skip
+
+# What the probe sees differently, on purpose (README "The process" says why); any other difference
+# fails the test. The environment: megaray adds the node's GPU list, NODE_RANK, the network profile's
+# interface names and its Ray worker's own variables; it keeps from the shell only what it forwards
+# (README "What reaches a rank"), so a secret stays there; torchrun's agent's own setting is not
+# there. Modules: a Ray worker has loaded Ray and what Ray imports (its serializers bring pyarrow,
+# numpy and pydantic when the process first reads a call's arguments), and megaray's own package.
+ADDED_NAMES = {"CUDA_VISIBLE_DEVICES", "NODE_RANK", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "SPT_NOENV"}
+ADDED_PREFIXES = ("RAY_",)
+DROPPED_NAMES = {"MY_PASSWORD", "TORCHELASTIC_SIGNALS_TO_HANDLE"}
+RAY_WORKER_MODULES = {
+    "ray", "google", "msgpack", "psutil", "colorama", "yaml", "requests", "urllib3", "idna", "certifi",
+    "charset_normalizer", "filelock", "packaging", "jsonschema", "jsonschema_specifications", "referencing",
+    "rpds", "attr", "attrs", "typing_extensions", "tqdm", "wcwidth", "pydantic", "pydantic_core",
+    "annotated_types", "typing_inspection", "pyarrow", "numpy", "cython_runtime",
+}  # fmt: skip
+RAY_WORKER_MODULE_PREFIXES = ("_cython_", "_sysconfigdata_")
+
+
+def unexpected_names(torchrun: list[str], megaray: list[str]) -> tuple[set[str], set[str]]:
+    """(names megaray added beyond ADDED_*, names it dropped beyond DROPPED_NAMES)."""
+    added = {
+        n for n in set(megaray) - set(torchrun) if n not in ADDED_NAMES and not n.startswith(ADDED_PREFIXES)
+    }
+    return added, set(torchrun) - set(megaray) - DROPPED_NAMES
+
+
+def unexpected_modules(torchrun: list[str], megaray: list[str]) -> tuple[set[str], set[str]]:
+    """(modules loaded before the program under megaray that are not Ray's or megaray's, and modules
+    loaded under torchrun but not under megaray)."""
+    extra = set(megaray) - set(torchrun) - RAY_WORKER_MODULES - {"launcher"}
+    return {m for m in extra if not m.startswith(RAY_WORKER_MODULE_PREFIXES)}, set(torchrun) - set(megaray)
+
+
+COMPARED_APART = {"env_names": unexpected_names, "preloaded": unexpected_modules}
 
 
 def base_env(tmp_path: Path) -> dict[str, str]:
@@ -82,6 +119,8 @@ def comparable(views: list[dict], work: Path) -> list[dict]:
 
 def test_a_rank_sees_the_process_torchrun_gives_it(tmp_path):
     env = base_env(tmp_path)
+    basics = {k: env[k] for k in ("PATH", "HOME", "TMPDIR", "LANG") if k in env}
+    env = {**basics, "PWD": os.getcwd(), "SHLVL": "1", **SHELL}  # as a shell exports them
     work_t, out_t = probe_dir(tmp_path, "torchrun")
     done = under_torchrun(tmp_path, str(work_t / "probe.py"), str(out_t), env={**env, **START_UP})
     assert done.returncode == 0, done.stderr[-3000:]
@@ -94,13 +133,17 @@ def test_a_rank_sees_the_process_torchrun_gives_it(tmp_path):
     assert torchrun[0]["hash_randomization"] == 0 and torchrun[0]["dev_mode"] is True
     assert len({v["hash"] for v in torchrun + megaray}) == 1
     for rank, (t, m) in enumerate(zip(torchrun, megaray, strict=True)):
-        differ = {k: (t[k], m.get(k)) for k in t if t[k] != m.get(k) and k not in KNOWN_DIFFERENCES}
+        differ = {k: (t[k], m.get(k)) for k in t if t[k] != m.get(k) and k not in COMPARED_APART}
         assert not differ, f"rank {rank} sees under megaray what it does not under torchrun: {differ}"
+        for key, unexpected in COMPARED_APART.items():
+            assert unexpected(t[key], m[key]) == (set(), set()), (rank, key, unexpected(t[key], m[key]))
     # what the probe found, spelled out: a torchrun worker's process
     m = megaray[0]
     assert m["nice"] == 0 and m["sig_blocked"] == "0000000000000000" and m["keyboard_interrupt"] == "raised"
     assert m["child_sigint_exit"] == -2 and m["stdin"] == "EOFError" and m["breakpointhook"] is None
     assert m["sys_path"][0] == "<work>" and not any("/ray/" in p for p in m["sys_path"])
+    assert m["blas_threads"] == [["openblas", 2]] and "AWS_CA_BUNDLE" in m["env_names"]
+    assert "numpy" in m["preloaded"] and "torch" not in m["preloaded"]
 
 
 ABORT_ON_EXIT = """
@@ -123,6 +166,44 @@ def test_a_process_that_dies_on_its_way_out_fails_the_launch(tmp_path):
     assert "all 2 ranks finished" not in report
     assert "rank      : 1 of 2" in report and "after the program returned" in report, report[-3000:]
     assert "killed by SIGABRT" in report and "Fatal Python error: Aborted" in report
+
+
+RECORDS = """
+import os
+from torch.distributed.elastic.multiprocessing.errors import record
+
+
+@record
+def main():
+    if os.environ["RANK"] == "1":
+        raise ValueError("bad batch at step 3")
+
+
+main()
+"""
+
+
+def test_a_recorded_error_is_reported_as_torchrun_reports_it(tmp_path):
+    """torch elastic's @record writes TORCHELASTIC_ERROR_FILE; the report names what torchrun's does
+    (rank and local rank, pid, exit code, time, the error file) with the traceback as recorded, and
+    the rank's log keeps the traceback."""
+    env = base_env(tmp_path)
+    script = tmp_path / "records.py"
+    script.write_text(RECORDS)
+    torchrun = under_torchrun(tmp_path, str(script), env=env)
+    assert torchrun.returncode == 1 and "error_file: " in torchrun.stderr, torchrun.stderr[-3000:]
+    done = under_megaray(tmp_path, str(script), env=env)
+    report = done.stderr[done.stderr.index("Root cause") :]
+    assert done.returncode == 1, done.stderr[-3000:]
+    for line in ("rank      : 1 of 2", "what      : ValueError: bad batch at step 3", "local rank: 1",
+                 "exit code : 1", "time      : ", "pid       : "):  # fmt: skip
+        assert f"  {line}" in report, report
+    error_file = re.search(r"error file: (\S+) \(on ", report).group(1)
+    recorded = json.loads(Path(error_file).read_text())["message"]
+    assert recorded["message"] == "ValueError: bad batch at step 3"
+    assert "in wrapper" in report and "<frozen runpy>" not in report  # @record's frame: as recorded
+    (run,) = (tmp_path / "runs").iterdir()
+    assert 'raise ValueError("bad batch at step 3")' in (run / "rank-1.log").read_text()
 
 
 READS_STDIN = """

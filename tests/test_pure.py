@@ -280,6 +280,36 @@ def test_root_cause_is_the_earliest_failure_and_the_report_shows_its_traceback()
     assert RankFailedError([late, died], world_size=8).root is died  # peers' connection errors come first
 
 
+def test_the_report_names_what_torchrun_names_of_the_root_cause():
+    """torchrun's root cause: time, host, rank and local rank, exit code and pid, the error file."""
+    import time
+
+    at = time.mktime((2026, 11, 24, 13, 29, 27, 0, 0, -1))
+    f = RankFailure(1, "10.0.0.2", "h1", "1", "exception", "ValueError: bad", "tb", exit_code=1, at=at,
+                    local_rank=1, pid=4242, error_file="/logs/rank1-error.json")  # fmt: skip
+    report = RankFailedError([f], world_size=2).report()
+    for line in ("rank      : 1 of 2", "local rank: 1", "pid       : 4242", "time      : 2026-11-24_13:29:27",
+                 "exit code : 1", "error file: /logs/rank1-error.json (on 10.0.0.2)"):  # fmt: skip
+        assert f"\n  {line}\n" in report, report
+    from launcher.cli.jobspec import root_cause
+
+    assert root_cause(report) == "rank 1 of 2 on 10.0.0.2 (h1): ValueError: bad"
+
+
+def test_the_error_file_is_read_as_torchrun_reads_it():
+    import json
+
+    from launcher.core.errorfile import RecordedError, parse_error_file
+
+    extra = {"py_callstack": "Traceback...", "timestamp": "1795000000"}  # as torch writes it
+    written = {"message": {"message": "ValueError: bad", "extraInfo": extra}}
+    assert parse_error_file(json.dumps(written)) == RecordedError(
+        "ValueError: bad", "Traceback...", 1_795_000_000
+    )
+    assert parse_error_file(json.dumps({"message": "by hand"})) == RecordedError("by hand")
+    assert parse_error_file('{"message": {"mess') is None and parse_error_file("[1]") is None
+
+
 def test_describe_death_keeps_what_ray_knows():
     sigkill = (
         "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR Worker exit "
@@ -678,3 +708,13 @@ def test_a_crash_in_ray_s_own_teardown_is_told_from_the_program_s():
     ]
     program_s = ["rank 1 returning", "Fatal Python error: Aborted", "", "Stack (most recent call first):"]
     assert ray_teardown_crash(ray_s) and not ray_teardown_crash(program_s)
+
+
+def test_a_blas_takes_the_threads_it_reads_at_load():
+    from launcher.core.blas import blas_threads
+
+    assert blas_threads("openblas", {"OMP_NUM_THREADS": "2"}, cpus=96) == 2
+    assert blas_threads("openblas", {"OMP_NUM_THREADS": "2", "OPENBLAS_NUM_THREADS": "3"}, cpus=96) == 3
+    assert blas_threads("mkl", {"OPENBLAS_NUM_THREADS": "3", "OMP_NUM_THREADS": "4,2"}, cpus=96) == 4
+    assert blas_threads("openblas", {"OMP_NUM_THREADS": "0"}, cpus=96) == 96  # unset or 0: every CPU
+    assert blas_threads("flexiblas", {"OMP_NUM_THREADS": "2"}, cpus=96) is None  # not known: left alone

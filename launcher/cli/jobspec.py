@@ -307,7 +307,7 @@ def root_cause(logs: str) -> str | None:
     if "Root cause (first failure):" in lines:
         i = lines.index("Root cause (first failure):")
         fields = {}
-        for ln in lines[i + 1 : i + 8]:
+        for ln in lines[i + 1 : i + 12]:
             m = re.match(r"\s+(rank|node|what)\s+: (.*)", ln)
             if m:
                 fields[m.group(1)] = m.group(2)

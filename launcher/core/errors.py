@@ -6,6 +6,7 @@ Bad input and missing resources exit 2 (the user must change a setting); a rank 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 
@@ -61,6 +62,9 @@ class RankFailure:
     exit_code: int | None = None
     at: float = 0.0  # wall-clock time of the failure, to pick the root cause across ranks
     last_output: tuple[str, ...] = ()  # a dead rank's last lines, read from its spool after it died
+    local_rank: int | None = None
+    pid: int | None = None  # the rank's process
+    error_file: str = ""  # where the program recorded its error (torch elastic's @record), if it did
 
 
 # A dead process, then a stuck one (stopped, in a hang), before ranks that merely raised or waited.
@@ -101,12 +105,20 @@ class RankFailedError(MegarayError):
             "megaray: launch failed",
             "Root cause (first failure):",
             f"  rank      : {r.rank} of {self.world_size}",
-            f"  node      : {r.node_ip} ({r.hostname})",
-            f"  gpu       : {r.gpu or '-'}",
             f"  what      : {r.summary}",
+            f"  node      : {r.node_ip} ({r.hostname})",
         ]
+        if r.local_rank is not None:
+            out.append(f"  local rank: {r.local_rank}")
+        out.append(f"  gpu       : {r.gpu or '-'}")
+        if r.pid is not None:
+            out.append(f"  pid       : {r.pid}")
+        if r.at:  # torchrun's format, the node's local time
+            out.append(f"  time      : {time.strftime('%Y-%m-%d_%H:%M:%S', time.localtime(r.at))}")
         if r.exit_code is not None:
             out.append(f"  exit code : {r.exit_code}")
+        if r.error_file:
+            out.append(f"  error file: {r.error_file} (on {r.node_ip})")
         if r.last_output:
             out.append(f"  last output (all of it in rank-{r.rank}.log):")
             out.extend("    " + ln for ln in r.last_output)

@@ -203,10 +203,12 @@ FORWARDED_PREFIXES = (
 )  # fmt: skip
 NOT_FORWARDED = frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_HOME"})  # the node's own
 # How the shell reaches the network: a custom CA (HTTPS to a hub or a bucket through a corporate
-# proxy fails in ranks without it) and the proxies, as Python's ssl, requests, curl and urllib read them.
+# proxy fails in ranks without it), as Python's ssl, requests, curl, boto3 (S3), gRPC and git read it,
+# and the proxies, as urllib, requests and curl read them.
 FORWARDED_NAMES = frozenset({
-    "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "HTTP_PROXY", "HTTPS_PROXY",
-    "NO_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "no_proxy", "all_proxy",
+    "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "AWS_CA_BUNDLE",
+    "GRPC_DEFAULT_SSL_ROOTS_FILE_PATH", "GIT_SSL_CAINFO", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY",
+    "ALL_PROXY", "http_proxy", "https_proxy", "no_proxy", "all_proxy",
 })  # fmt: skip
 
 

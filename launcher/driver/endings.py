@@ -128,9 +128,8 @@ def crash_on_exit(h: RankHandle, tail: list[str] | tuple[str, ...], at: float) -
     cause = death_cause(tail, None) or "it ended without finishing its exit"
     return RankFailure(
         rank=h.slot.rank, node_ip=h.slot.node_ip, hostname=h.report.hostname, gpu=h.info.gpu, kind="died",
-        summary=f"after the program returned, on its way out (exit handlers, threads): {cause} "
-        f"(pid {h.report.pid})",
-        at=at, last_output=readable_tail(tail),
+        summary=f"after the program returned, on its way out (exit handlers, threads): {cause}",
+        at=at, last_output=readable_tail(tail), local_rank=h.slot.local_rank, pid=h.report.pid,
     )  # fmt: skip
 
 
@@ -154,7 +153,7 @@ def died(h: RankHandle, handles: tuple[RankHandle, ...], ray_message: str, lost:
     if node_id not in lost:
         lost[node_id] = node_lost(node_id)
     if not lost[node_id]:
-        return f"{describe_death(ray_message)} (pid {h.report.pid})"
+        return describe_death(ray_message)
     ranks = format_rank_ranges(x.slot.rank for x in handles if x.report.node_id == node_id)
     node = f"{h.slot.node_ip} (node id {node_id[:8]})"
     return f"its node {node} was lost: its raylet no longer answers; it took rank(s) {ranks} with it"
@@ -205,7 +204,7 @@ def last_words(
             continue
         before, after = handles[f.rank].report.oom_kills, shipped.get("oom_kills")
         cause = death_cause(tail, after - before if None not in (before, after) else None)
-        summary = f"{cause} (pid {handles[f.rank].report.pid})" if cause else f.summary
+        summary = cause or f.summary
         amended.append(dataclasses.replace(f, summary=summary, last_output=readable_tail(tail)))
     error.amend(amended)
 

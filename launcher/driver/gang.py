@@ -275,7 +275,8 @@ class RankGang:
     def outcome(self, ref: Any, rank: int) -> tuple[bool, Any]:
         """(True, what the rank returned) or (False, its RankFailure)."""
         h = self.handles[rank]
-        where = {"rank": rank, "node_ip": h.slot.node_ip, "hostname": h.report.hostname, "gpu": h.info.gpu}
+        where = {"rank": rank, "node_ip": h.slot.node_ip, "hostname": h.report.hostname, "gpu": h.info.gpu,
+                 "local_rank": h.slot.local_rank, "pid": h.report.pid}  # fmt: skip
         try:
             out = ray.get(ref)
         except ray.exceptions.RayActorError as e:
@@ -292,7 +293,7 @@ class RankGang:
             return True, out["value"]
         return False, RankFailure(
             **where, kind=out["kind"], summary=out["summary"], traceback=out["traceback"],
-            exit_code=out["exit_code"], at=out["at"],
+            exit_code=out["exit_code"], at=out["at"], error_file=out.get("error_file", ""),
         )  # fmt: skip
 
     def inspect_hang(self, idle_s: float) -> list[RankFailure]:

@@ -21,13 +21,14 @@ from typing import Any
 
 import ray
 
+from ..core.errorfile import RecordedError, parse_error_file
 from ..core.errors import ClusterError
 from ..core.rankenv import NODE_DEFAULTS
 from ..core.refs import load_function, split_ref
 from ..core.target import Target, TargetKind
 from ..core.topology import RankReport, candidate_ports
 from ..core.versions import python_version
-from .plain_process import as_a_plain_process, fresh_sys_path, use_own_modules
+from .plain_process import as_a_plain_process, fresh_sys_path, match_thread_pools, use_own_modules
 from .probes import (
     REPLACED_EXIT_TIMEOUT_S,
     ephemeral_range,
@@ -39,6 +40,8 @@ from .probes import (
 from .spool import exit_mark, log_dir, mark_exit, oom_kills
 
 _THIS_FILE = str(Path(__file__).resolve())
+# the frames before the target's (runpy is frozen in Python 3.12)
+_NOISE = (_THIS_FILE, runpy.__file__, "<frozen runpy>")
 
 
 class RankActor:
@@ -57,6 +60,7 @@ class RankActor:
         self.store_host = None  # rank 0's: the rendezvous store (rank/store.py)
         self.claimed_by: str | None = None
         self.exit_marked = False
+        self.error_file: str | None = None  # TORCHELASTIC_ERROR_FILE, set with the env
         if pooled:  # a pool's process (driver/pool.py): import now if warm, give the bundle back when idle
             from .warmup import expire_when_idle, warm
 
@@ -169,9 +173,12 @@ class RankActor:
         # handler would otherwise turn it into an exception the program may swallow.
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         as_a_plain_process()
+        match_thread_pools()
         if spool is not None:
             # where torch elastic's @record writes the error of a failed rank, as under torchrun
-            os.environ["TORCHELASTIC_ERROR_FILE"] = spool.removesuffix(".out") + "-error.json"
+            self.error_file = spool.removesuffix(".out") + "-error.json"
+            os.environ["TORCHELASTIC_ERROR_FILE"] = self.error_file
+            Path(self.error_file).unlink(missing_ok=True)
             if not self.exit_marked:  # registered before the program's handlers: it runs after them
                 atexit.register(mark_exit, exit_mark(spool))
                 self.exit_marked = True
@@ -203,12 +210,13 @@ class RankActor:
                 return {"ok": True, "value": None}
             code = e.code if isinstance(e.code, int) else 1
             what = f"exited with code {code}" + ("" if isinstance(e.code, int) else f": {e.code}")
-            return _failure("exit", what, e, exit_code=code)
+            return _failure("exit", what, e, code, self.error_file)
         except BaseException as e:
-            failure = _failure("exception", f"{type(e).__name__}: {e}".strip().splitlines()[0], e)
-            # as Python prints an exception that ends a program: the rank's log keeps it too
-            print(failure["traceback"], end="", file=sys.stderr, flush=True)
-            return failure
+            # as Python prints an exception that ends a program (with exit code 1): the rank's log
+            # keeps it too
+            print(user_traceback(e), end="", file=sys.stderr, flush=True)
+            summary = f"{type(e).__name__}: {e}".strip().splitlines()[0]
+            return _failure("exception", summary, e, 1, self.error_file)
         finally:
             sys.stdout.flush()
             sys.stderr.flush()
@@ -227,21 +235,34 @@ def lingering(atexit_before: int) -> list[str]:
     return [f"thread {name}" for name in threads] + ([f"{added} atexit handler(s)"] if added > 0 else [])
 
 
-def _failure(kind: str, summary: str, exc: BaseException, exit_code: int | None = None) -> dict[str, Any]:
+def _failure(
+    kind: str, summary: str, exc: BaseException, exit_code: int, error_file: str | None
+) -> dict[str, Any]:
+    """A failed run as data. Where the program recorded its error (torch elastic's `@record` writes
+    TORCHELASTIC_ERROR_FILE), its message and traceback are the ones reported, as under torchrun."""
+    recorded = _recorded(error_file)
     return {
         "ok": False,
         "kind": kind,
-        "summary": summary,
-        "traceback": user_traceback(exc),
+        "summary": recorded.message.splitlines()[0] if recorded and recorded.message else summary,
+        "traceback": recorded.traceback if recorded and recorded.traceback else user_traceback(exc),
         "exit_code": exit_code,
         "at": time.time(),
+        "error_file": error_file if recorded else "",
     }
+
+
+def _recorded(error_file: str | None) -> RecordedError | None:
+    try:
+        return parse_error_file(Path(error_file).read_text()) if error_file else None
+    except OSError:
+        return None
 
 
 def user_traceback(exc: BaseException) -> str:
     """The traceback from the target's first frame on: this module's and runpy's frames are noise."""
     tb = exc.__traceback__
-    while tb is not None and (tb.tb_frame.f_code.co_filename in (_THIS_FILE, runpy.__file__)):
+    while tb is not None and tb.tb_frame.f_code.co_filename in _NOISE:
         if tb.tb_next is None:
             break
         tb = tb.tb_next

@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 
+from ..core.blas import blas_threads
 from .probes import inherited_env
 
 # Ray overwrites it in every worker (its remote debugger); a program under torchrun gets the value
@@ -47,6 +48,29 @@ def as_a_plain_process() -> None:
             os.environ[key] = at_start[key]
         else:
             os.environ.pop(key, None)
+
+
+def match_thread_pools() -> None:
+    """A Ray worker imports numpy (through pyarrow: Ray's serializers load when the process first
+    reads a call's arguments) before the rank's environment is set, so numpy's BLAS sized its thread
+    pool from the worker's OMP_NUM_THREADS, not the rank's: `--env OMP_NUM_THREADS=8` gave numpy
+    one thread. Each BLAS loaded by then gets the count it reads at load under the rank's
+    environment, as under torchrun (core/blas.py). Nothing loaded, nothing done."""
+    if "numpy" not in sys.modules:
+        return
+    had = set(sys.modules)
+    from threadpoolctl import ThreadpoolController
+
+    try:
+        cpus = len(os.sched_getaffinity(0))
+        for lib in ThreadpoolController().lib_controllers:
+            want = blas_threads(lib.internal_api, os.environ, cpus) if lib.user_api == "blas" else None
+            if want is not None and lib.num_threads != want:
+                lib.set_num_threads(want)
+    finally:
+        for name in set(sys.modules) - had:  # megaray's use of it is not the program's import
+            if name.split(".")[0] not in sys.stdlib_module_names:
+                del sys.modules[name]
 
 
 def fresh_sys_path(first: str) -> list[str]:
