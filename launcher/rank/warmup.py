@@ -35,6 +35,7 @@ def warm(env: dict[str, str], steps: tuple[str, ...]) -> dict[str, Any]:
     """In the spare: the rank's env first (OpenMP and CUDA read theirs when they load), then the
     imports. An import that fails is left to the rank, which reports it with its traceback."""
     os.environ.update(env)
+    before = set(os.environ)
     # torch.cuda.is_available() through NVML, as a check at import must not create a CUDA context
     # beside the running rank's on this GPU.
     nvml_check = "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ
@@ -53,8 +54,10 @@ def warm(env: dict[str, str], steps: tuple[str, ...]) -> dict[str, Any]:
                 except Exception as e:
                     failed[step] = f"{type(e).__name__}: {e}".splitlines()[0]
     finally:
-        if nvml_check:
-            os.environ.pop("PYTORCH_NVML_BASED_CUDA_CHECK", None)
+        # what an import put in the environment (torch's inductor its TORCHINDUCTOR_CACHE_DIR) is not
+        # there for a program that does not import it: the rank's env must be what a cold start has
+        for key in set(os.environ) - before:
+            os.environ.pop(key, None)
     torch = sys.modules.get("torch")
     return {
         "seconds": round(time.monotonic() - t0, 2),
