@@ -69,6 +69,7 @@ def ray_workers_of(path: str) -> list[str]:
 
 def test_up_holds_a_local_ray_that_launches_attach_to_and_down_leaves_nothing(env, tmp_path):
     state = env["MEGARAY_STATE_DIR"]
+    decoys: list[subprocess.Popen] = []
     try:
         up = megaray(env, "up", "--nodes", "2", "--gpus-per-node", "2")
         assert up.returncode == 0, up.stderr[-3000:]
@@ -105,14 +106,46 @@ def test_up_holds_a_local_ray_that_launches_attach_to_and_down_leaves_nothing(en
         for extra, more_env in ((["--address", "127.0.0.1:9"], {}), ([], {"RAY_ADDRESS": "127.0.0.1:9"})):
             refused = megaray({**env, **more_env}, *extra, "--device", "cpu", "examples/torchrun_script.py")
             assert refused.returncode == 2 and "cannot reach a Ray cluster at 127.0.0.1:9" in refused.stderr
+        # the user's own processes that name the cluster's folder: not megaray's to stop
+        decoys += [
+            subprocess.Popen(["tail", "-f", f"{state}/ray/session_latest/logs/raylet.out"]),
+            subprocess.Popen(
+                [sys.executable, "-c", "import time; time.sleep(600)", f"{state}/ray-notes.txt"]
+            ),
+        ]
     finally:
         down = megaray(env, "down")
     assert down.returncode == 0 and "stopped the local Ray at 127.0.0.1:" in down.stderr, down.stderr
     assert "killed" not in down.stderr  # every node stopped on its SIGTERM
-    assert processes_under(state) == []
+    try:
+        assert [d.poll() for d in decoys] == [None, None]
+        mine = sorted(f"{d.pid}: {(' '.join(d.args) + ' ')[:120]}" for d in decoys)
+        assert sorted(processes_under(state)) == mine  # nothing else
+    finally:
+        for d in decoys:
+            d.kill()
+            d.wait()
     assert not (Path(state) / "up.json").exists()
     again = megaray(env, "down")
     assert again.returncode == 0 and "no `megaray up` is running" in again.stderr
+
+
+def test_down_never_signals_a_recorded_pid_that_is_now_another_process(env):
+    """A state file left from an earlier boot, whose pid is now the user's process: that process is
+    not megaray's (its start time differs from the one recorded) and is left alone."""
+    import json
+
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    try:
+        state = {"address": "127.0.0.1:9", "nodes": 1, "gpus_per_node": 1, "device": "cpu",
+                 "pids": [other.pid], "temp_dir": "/nowhere", "started_at": 0.0, "starts": [1]}  # fmt: skip
+        (Path(env["MEGARAY_STATE_DIR"]) / "up.json").write_text(json.dumps(state))
+        down = megaray(env, "down")
+        assert down.returncode == 0 and "no `megaray up` is running" in down.stderr, down.stderr
+        assert other.poll() is None
+    finally:
+        other.kill()
+        other.wait()
 
 
 def test_up_with_a_token_path_that_holds_no_token_exits_2_in_one_line(env):

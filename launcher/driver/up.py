@@ -29,7 +29,7 @@ from pathlib import Path
 
 from ..core.errors import ClusterError, UsageError
 from ..core.raytoken import auth_disabled, find_token, token_path
-from ..rank.probes import process_state
+from .owned import is_still, session_members, start_ticks
 
 log = logging.getLogger("megaray")
 
@@ -55,6 +55,11 @@ class Standing:
     temp_dir: str
     started_at: float
     cpus_per_rank: float = 1.0
+    starts: tuple[int | None, ...] = ()  # each pid's start time (driver/owned.py), to know it is still ours
+
+    def nodes_started(self) -> list[tuple[int, int | None]]:
+        """(pid, start time) of each node's `ray start`, head first."""
+        return [(pid, self.starts[i] if i < len(self.starts) else None) for i, pid in enumerate(self.pids)]
 
     def describe(self) -> str:
         unit = "GPUs" if self.device == "gpu" else "CPU ranks"
@@ -65,19 +70,15 @@ def _path() -> Path:
     return state_dir() / "up.json"
 
 
-def _alive(pid: int) -> bool:
-    return process_state(pid) not in (None, "Z")  # a zombie is not running
-
-
 def running() -> Standing | None:
     """The `megaray up` cluster if its head is alive; a stale state file is removed."""
     path = _path()
     try:
         data = json.loads(path.read_text())
-        state = Standing(**{**data, "pids": tuple(data["pids"])})
+        state = Standing(**{**data, "pids": tuple(data["pids"]), "starts": tuple(data.get("starts", ()))})
     except (OSError, ValueError, TypeError, KeyError):
         return None
-    if _alive(state.pids[0]):
+    if is_still(*state.nodes_started()[0]):
         return state
     with contextlib.suppress(OSError):
         path.unlink()
@@ -131,8 +132,9 @@ def start(
     ]  # fmt: skip
     address = f"127.0.0.1:{port}"
     state = Standing(
-        address, nodes, gpus_per_node, device, (procs[0].pid,), str(temp_dir), time.time(), cpus_per_rank
-    )
+        address, nodes, gpus_per_node, device, (procs[0].pid,), str(temp_dir), time.time(), cpus_per_rank,
+        (start_ticks(procs[0].pid),),
+    )  # fmt: skip
     try:
         _wait(lambda: _reachable(address), procs[0], logs)
         with token_mode(address, announce=False):
@@ -142,15 +144,15 @@ def start(
                     before = _count_alive()
                     procs.append(_start_node(["--address", address, *per_node], logs, env))
                     _wait(lambda b=before: _count_alive() > b, procs[-1], logs)
-                state = dataclasses.replace(state, pids=tuple(p.pid for p in procs))
+                state = _recorded(state, procs)
                 if when_ready is not None:
                     when_ready()
             finally:
                 ray.shutdown()
     except BaseException:
-        stop(dataclasses.replace(state, pids=tuple(p.pid for p in procs)))
+        stop(_recorded(state, procs))
         raise
-    state = dataclasses.replace(state, pids=tuple(p.pid for p in procs))
+    state = _recorded(state, procs)
     _path().write_text(json.dumps(dataclasses.asdict(state)))
     os.chmod(_path(), 0o600)
     return state
@@ -213,52 +215,61 @@ def _wait(ready, proc: subprocess.Popen, logs: Path) -> None:
         time.sleep(0.2)
 
 
+def _recorded(state: Standing, procs: list[subprocess.Popen]) -> Standing:
+    """The state with every node started so far, each with its start time (taken right after it
+    started: our child, so its pid cannot have been reused yet)."""
+    known = dict(zip(state.pids, state.starts, strict=False))
+    starts = tuple(known[p.pid] if p.pid in known else start_ticks(p.pid) for p in procs)
+    return dataclasses.replace(state, pids=tuple(p.pid for p in procs), starts=starts)
+
+
 def stop(state: Standing, wait_s: float = 30.0) -> list[int]:
     """SIGTERM each node's `ray start --block` (workers first), then SIGKILL its process group if it
-    is still there after `wait_s`. Returns the pids that had to be killed."""
+    is still there after `wait_s`; then whatever Ray process of those nodes' sessions is left. Only
+    processes megaray started are signalled (driver/owned.py): a recorded pid that is now another
+    process, and anything outside the nodes' sessions, are left alone. Returns the pids killed."""
+    nodes = list(reversed(state.nodes_started()))
+    for pid, started in nodes:
+        if is_still(pid, started):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
     killed = []
-    for pid in reversed(state.pids):
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + wait_s
-    for pid in reversed(state.pids):
-        while _alive(pid) and time.monotonic() < deadline:
+    for pid, started in nodes:
+        while is_still(pid, started) and time.monotonic() < deadline:
             time.sleep(0.1)
-        if _alive(pid):
+        if is_still(pid, started):
             with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(pid, signal.SIGKILL)
+                os.killpg(pid, signal.SIGKILL)  # it leads its own group (started in a session of its own)
             killed.append(pid)
         with contextlib.suppress(ChildProcessError, OSError):
             os.waitpid(pid, os.WNOHANG)
-    killed += _sweep(state.temp_dir)
+    killed += _sweep(nodes)
     with contextlib.suppress(OSError):
         _path().unlink()
     return killed
 
 
-def _sweep(temp_dir: str, grace_s: float = 10.0) -> list[int]:
-    """Any process still running from this cluster's temp dir `grace_s` after its node stopped (a
-    worker its raylet did not stop), killed."""
+def _sweep(nodes: list[tuple[int, int | None]], grace_s: float = 10.0) -> list[int]:
+    """Any process still running in a node's session `grace_s` after the node stopped (a worker its
+    raylet did not stop), killed."""
     deadline = time.monotonic() + grace_s
-    while _under(temp_dir) and time.monotonic() < deadline:
+    while _left(nodes) and time.monotonic() < deadline:
         time.sleep(0.2)
     left = []
-    for pid in _under(temp_dir):
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, signal.SIGKILL)
-            left.append(pid)
+    for pid, started in _left(nodes):
+        if is_still(pid, started):
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+                left.append(pid)
     return left
 
 
-def _under(temp_dir: str) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if temp_dir in cmdline and _alive(int(entry.name)):
-            found.append(int(entry.name))
-    return found
+def _left(nodes: list[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
+    me = os.getpid()
+    return [
+        (pid, start_ticks(pid))
+        for leader, started in nodes
+        for pid in session_members(leader, started)
+        if pid != me
+    ]
