@@ -82,6 +82,19 @@ def wait_forever():
     time.sleep(600)
 
 
+def save_on_sigterm():
+    """As a program that saves a checkpoint when preempted: SIGTERM takes it 2 s to save, then exit."""
+    import signal
+
+    def save(signum, _frame):
+        time.sleep(2)
+        _write("saved", {"signal": signum})
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, save)
+    wait_forever()
+
+
 def dump_profile():
     """Every variable of the rank's environment, to compare with a profile."""
     _write("profile", dict(os.environ))

@@ -182,8 +182,10 @@ def test_two_jobs_at_once_get_different_ports_and_both_succeed(cluster, tmp_path
 
 @pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_to_the_driver_stops_every_rank(cluster, tmp_path, sig, code):
+    """Ctrl-C or SIGTERM: every rank gets SIGTERM and --kill-grace to end on it (a save of 2 s
+    completes), as after a rank's failure; then nothing is left."""
     job = f"sig{int(sig)}"
-    p = _driver(cluster, job, f"{CPU_TWO_NODES} --entrypoint tests.targets:wait_forever", out=tmp_path)
+    p = _driver(cluster, job, f"{CPU_TWO_NODES} --entrypoint tests.targets:save_on_sigterm", out=tmp_path)
     deadline = time.monotonic() + 120
     while not all((tmp_path / f"pid-rank{r}.json").exists() for r in range(2)):
         assert p.poll() is None and time.monotonic() < deadline, (
@@ -194,6 +196,8 @@ def test_signal_to_the_driver_stops_every_rank(cluster, tmp_path, sig, code):
     output = p.communicate(timeout=30)[0]
     assert p.returncode == code, output
     assert f"interrupted by {signal.Signals(sig).name}" in output
+    saved = [json.loads((tmp_path / f"saved-rank{r}.json").read_text()) for r in range(2)]
+    assert saved == [{"signal": signal.SIGTERM}] * 2
     assert leftovers(job) == ([], [])
     for r in range(2):
         pid = json.loads((tmp_path / f"pid-rank{r}.json").read_text())["pid"]

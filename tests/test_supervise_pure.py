@@ -144,10 +144,23 @@ def test_a_stop_signal_interrupts_with_the_shell_exit_code():
     clock = Clock()
     gang = FakeGang(clock, {})
     stop = StopSignal()
-    stop.signum = signal.SIGTERM
+    stop.receive(signal.SIGTERM)
     with pytest.raises(Interrupted) as e:
         supervise(gang, gang.refs(), stop, clock=clock)
     assert e.value.exit_code == 143
+
+
+def test_a_signal_is_acted_on_once_so_the_teardown_waits_out_the_kill_grace():
+    """The waits after the first signal (the ranks' --kill-grace) go on; a second one ends them."""
+    stop = StopSignal()
+    stop.receive(signal.SIGINT)
+    with pytest.raises(Interrupted):
+        stop.check()
+    stop.check()  # the teardown's waits: not interrupted again by the same signal
+    with pytest.raises(Interrupted) as e:
+        stop.receive(signal.SIGINT)  # a second Ctrl-C while stopping
+    assert e.value.exit_code == 130
+    stop.check()
 
 
 class FakeAttempt:
