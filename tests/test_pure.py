@@ -225,6 +225,12 @@ def test_spec_from_args_reads_the_torchrun_shape(tmp_path):
         ([], "nothing to run"),
         (["--device", "tpu", "--dry-run"], "invalid choice: 'tpu'"),
         (["--device", "cpu", "--cpus-per-rank", "0", "--dry-run"], "--cpus-per-rank must be above 0"),
+        (["--kill-grace", "nan", "--dry-run"], "argument --kill-grace: must be a finite number, got 'nan'"),
+        (["--placement-timeout", "inf", "--dry-run"], "--placement-timeout: must be a finite number"),
+        (["--hang-timeout", "1e400", "--dry-run"], "--hang-timeout: must be a finite number"),
+        (["up", "--cpus-per-rank", "-1"], "--cpus-per-rank must be above 0 with --device cpu, got -1.0"),
+        (["up", "--idle-timeout", "nan"], "argument --idle-timeout: must be a finite number, got 'nan'"),
+        (["up", "--nodes", "0"], "--nodes must be at least 1, got 0"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv, message, capsys):
@@ -237,6 +243,10 @@ def test_bad_input_exits_2_with_one_line(argv, message, capsys):
 def test_spec_validates_itself():
     with pytest.raises(ValueError, match="--nodes must be at least 1, got -1"):
         LaunchSpec(nodes=-1, gpus_per_node=1, target=Target("script", "x.py"), job_name="j")
+    with pytest.raises(ValueError, match="--kill-grace must be a finite number, got nan"):
+        LaunchSpec(
+            nodes=1, gpus_per_node=1, target=Target("script", "x.py"), job_name="j", kill_grace_s=float("nan")
+        )
 
 
 def test_missing_targets_are_caught_in_the_driver(tmp_path):

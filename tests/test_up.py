@@ -300,3 +300,47 @@ def test_pools_run_programs_as_a_cold_start_refill_and_give_back_when_idle(env, 
         down = megaray(env, "down")
     assert down.returncode == 0
     assert processes_under(env["MEGARAY_STATE_DIR"]) == []
+
+
+SLEEPS = """
+import os, time
+open(os.path.join(os.environ["OUT"], f"running-{os.environ['RANK']}"), "w").write(str(os.getpid()))
+time.sleep(600)
+"""
+
+
+def test_a_pool_taken_by_a_launch_whose_driver_was_killed_is_free(env, tmp_path):
+    """kill -9 of a driver whose launch took the pool: the pool's processes go on running its ranks,
+    and the claim stays; `megaray list` says the job ended, and the next launch gives the pool back
+    (ending those ranks) and runs."""
+    import signal
+    import time
+
+    (tmp_path / "sleeps.py").write_text(SLEEPS)
+    runs = ["--device", "cpu", "--gpus-per-node", "2", "--runs-dir", str(tmp_path / "runs")]
+    try:
+        assert megaray(env, "up", "--gpus-per-node", "2").returncode == 0
+        driver = subprocess.Popen([sys.executable, str(REPO / "main.py"), *runs, "--env", f"OUT={tmp_path}",
+                                   "sleeps.py"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                                  stderr=subprocess.DEVNULL)  # fmt: skip
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / f"running-{r}").exists() for r in range(2)):
+            assert driver.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        ranks = [int((tmp_path / f"running-{r}").read_text()) for r in range(2)]
+        driver.send_signal(signal.SIGKILL)
+        driver.wait()
+        deadline = time.monotonic() + 30  # Ray marks the driver's job dead when its connection closes
+        while "which ended without giving it back" not in (listed := megaray(env, "list").stdout):
+            assert time.monotonic() < deadline, listed
+            time.sleep(1)
+        again = megaray(env, *runs, "examples/torchrun_script.py")
+        assert again.returncode == 0, again.stderr[-3000:]
+        assert "which ended without giving it back: given back" in again.stderr
+        for pid in ranks:  # the killed launch's ranks ended with the pool's processes
+            assert (
+                not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+            )
+    finally:
+        down = megaray(env, "down")
+    assert down.returncode == 0 and processes_under(env["MEGARAY_STATE_DIR"]) == []

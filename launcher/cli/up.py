@@ -10,7 +10,7 @@ import os
 import time
 from collections.abc import Iterator
 
-from ..core.args import ArgumentParser
+from ..core.args import ArgumentParser, number
 from ..core.errors import MegarayError, UsageError
 
 log = logging.getLogger("megaray")
@@ -32,7 +32,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                        help="ranks per node (default 2)")  # fmt: skip
         p.add_argument("--device", choices=("cpu", "gpu"), default=None,
                        help="cpu (default here) or gpu (default with --address)")  # fmt: skip
-        p.add_argument("--cpus-per-rank", type=float, default=1.0)
+        p.add_argument("--cpus-per-rank", type=number, default=1.0)
         p.add_argument(
             "--warm",
             action="store_true",
@@ -41,7 +41,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
         )
         p.add_argument(
             "--idle-timeout",
-            type=float,
+            type=number,
             default=1800.0,
             help="seconds an unclaimed pool holds its bundles, then gives them back (default 1800; 0: "
             "until `megaray down`)",
@@ -85,11 +85,6 @@ def _up(args: argparse.Namespace) -> int:
     from ..driver import up
     from ..driver.pool import PoolLayout, keep
 
-    for flag, value in (("--nodes", args.nodes), ("--gpus-per-node", args.gpus_per_node)):
-        if value < 1:
-            raise UsageError(f"{flag} must be at least 1, got {value}")
-    if args.idle_timeout < 0:
-        raise UsageError(f"--idle-timeout must be at least 0 (0: never), got {args.idle_timeout}")
     device = args.device or ("gpu" if args.address else "cpu")
     layout = PoolLayout(
         args.nodes, args.gpus_per_node, device, args.cpus_per_rank, args.idle_timeout,

@@ -7,6 +7,7 @@ and what is run. Values are checked in `__post_init__`, whose messages print the
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
 import secrets
@@ -15,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .args import ArgumentParser
+from .args import ArgumentParser, number
 from .errors import UsageError
 from .progress import H100_SXM_BF16_TFLOPS
 from .rankenv import forwarded_env, parse_env_pairs
@@ -65,6 +66,14 @@ class LaunchSpec:
     gpu_memory_gb: float = DEFAULT_GPU_MEMORY_GB  # per GPU, what the memory preflight checks against
 
     def __post_init__(self):
+        for flag, value in (
+            ("--cpus-per-rank", self.cpus_per_rank), ("--placement-timeout", self.placement_timeout_s),
+            ("--hang-timeout", self.hang_timeout_s), ("--exit-grace", self.exit_grace_s),
+            ("--kill-grace", self.kill_grace_s), ("--gpu-memory-gb", self.gpu_memory_gb),
+            ("--peak-tflops", self.peak_tflops),
+        ):  # fmt: skip
+            if not math.isfinite(value):  # nan passes every comparison below
+                raise ValueError(f"{flag} must be a finite number, got {value}")
         if self.nodes < 1:
             raise ValueError(f"--nodes must be at least 1, got {self.nodes}")
         if self.gpus_per_node < 1:
@@ -150,7 +159,7 @@ def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
     )
     p.add_argument("--device", choices=("gpu", "cpu"), default="gpu", help="gpu (default) or cpu bundles")
     p.add_argument(
-        "--cpus-per-rank", type=float, default=1.0, help="CPUs reserved per rank in its bundle (default 1)"
+        "--cpus-per-rank", type=number, default=1.0, help="CPUs reserved per rank in its bundle (default 1)"
     )
     p.add_argument(
         "--dry-run",
@@ -162,7 +171,7 @@ def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--job-name", help="name for the placement groups and actors (default: generated)")
     p.add_argument(
         "--placement-timeout",
-        type=float,
+        type=number,
         default=DEFAULT_PLACEMENT_TIMEOUT_S,
         help=f"seconds to wait for the cluster to fit the layout (default {DEFAULT_PLACEMENT_TIMEOUT_S:g})",
     )
@@ -191,7 +200,7 @@ def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--gpu-memory-gb",
-        type=float,
+        type=number,
         default=DEFAULT_GPU_MEMORY_GB,
         help=f"GiB of memory per GPU: a recipe whose estimate at the first step is larger is refused "
         f"before any GPU is taken (default {DEFAULT_GPU_MEMORY_GB:g}: H100/A100 80GB)",
@@ -206,7 +215,7 @@ def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--runs-dir", default="runs", help="where run directories go (default ./runs)")
     p.add_argument(
         "--peak-tflops",
-        type=float,
+        type=number,
         default=H100_SXM_BF16_TFLOPS,
         help=f"peak TFLOP/s per GPU for MFU (default {H100_SXM_BF16_TFLOPS:g}: H100 SXM, dense BF16)",
     )
@@ -219,7 +228,7 @@ def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--hang-timeout",
-        type=float,
+        type=number,
         default=DEFAULT_HANG_TIMEOUT_S,
         help=f"seconds without output or progress from any rank before the job counts as hung; its stacks "
         f"are printed (default {DEFAULT_HANG_TIMEOUT_S:g}; 0 turns it off)",
@@ -234,14 +243,14 @@ def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--exit-grace",
-        type=float,
+        type=number,
         default=DEFAULT_EXIT_GRACE_S,
         help="seconds a rank's process may take to end after the program returned (atexit handlers, "
         f"non-daemon threads), then it is killed (default {DEFAULT_EXIT_GRACE_S:g})",
     )
     p.add_argument(
         "--kill-grace",
-        type=float,
+        type=number,
         default=DEFAULT_KILL_GRACE_S,
         help="after a rank failed or the launch was stopped, seconds between SIGTERM to the other ranks "
         f"and killing them (default {DEFAULT_KILL_GRACE_S:g})",

@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, replace
 
 import ray
 
+from ..core.errors import UsageError
 from ..core.spec import LaunchSpec
 from ..core.target import DRY_RUN_TARGET
 from ..core.topology import RankReport, RankSlot, assign_ranks, order_nodes
@@ -53,6 +54,16 @@ class PoolLayout:
     idle_timeout_s: float = 1800.0
     fixed_size: bool = True  # the cluster cannot grow (a local Ray): placement fails at once
     warm: bool = True  # torch (and megatron) imported ahead; else the processes are only started
+
+    def __post_init__(self):
+        """Checked before any Ray starts (`megaray up --cpus-per-rank -1` started the nodes, then failed
+        with a traceback): the launch's own rules, then the idle timeout."""
+        try:
+            _spec(self)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        if not self.idle_timeout_s >= 0:  # nan included
+            raise UsageError(f"--idle-timeout must be at least 0 (0: never), got {self.idle_timeout_s}")
 
     def describe(self) -> str:
         unit = "GPUs" if self.device == "gpu" else "CPU ranks"
@@ -181,8 +192,17 @@ def take(spec: LaunchSpec, stop: StopSignal, start_env: dict[str, str] | None = 
     if layout is None:
         return None
     groups = _groups(layout)
-    if (job := _taken_by()) is not None and groups:  # a launch runs in it: never give it back
-        log.info("the %s is in use by job %s: this launch starts cold", layout.kind, job)
+    claim = _claim()
+    if claim is not None and groups and not claim.ended():  # a launch runs in it: never give it back
+        log.info("the %s is in use by job %s: this launch starts cold", layout.kind, claim.job)
+        return None
+    if claim is not None and groups:  # its launch ended without giving it back (its driver was killed)
+        give_back(layout)  # which stops what that launch's ranks still ran in it
+        _kv()._internal_kv_del(TAKEN, namespace=NAMESPACE)
+        log.info(
+            "the %s was taken by job %s, which ended without giving it back: given back (this launch "
+            "starts cold and refills it)", layout.kind, claim.job,
+        )  # fmt: skip
         return None
     if not layout.fits(spec):
         if give_back(layout):
@@ -212,8 +232,10 @@ def take(spec: LaunchSpec, stop: StopSignal, start_env: dict[str, str] | None = 
             "the %s is not there (given back when idle, or in use): this launch starts cold", layout.kind
         )
         return None
-    if _kv()._internal_kv_put(TAKEN, spec.job_name, overwrite=False, namespace=NAMESPACE):
-        log.info("the %s is in use by job %s: this launch starts cold", layout.kind, _taken_by())
+    mine = Claim(spec.job_name, ray.get_runtime_context().get_job_id())
+    if _kv()._internal_kv_put(TAKEN, json.dumps(asdict(mine)), overwrite=False, namespace=NAMESPACE):
+        other = _claim()
+        log.info("the %s is in use by job %s: this launch starts cold", layout.kind, other and other.job)
         return None
     claims = [a.claim.remote(spec.job_name) for a in by_bundle.values()]
     if len(wait_all(claims, POOL_READY_S, stop)) < len(claims) or not all(ray.get(claims)):
@@ -271,9 +293,31 @@ def refill() -> None:
         log.warning("could not refill the warm pool: %s", str(e).splitlines()[0])
 
 
-def _taken_by() -> str | None:
+@dataclass(frozen=True)
+class Claim:
+    """Who took the pool: the launch's job name, and its driver's Ray job, by which a claim whose
+    launch is gone is told from one in use (a driver killed with SIGKILL gives nothing back)."""
+
+    job: str
+    ray_job: str  # hex id
+
+    def ended(self) -> bool:
+        if not self.ray_job:
+            return False  # an older megaray's claim: its driver cannot be told; in use, as before
+        # Ray's job table says when a driver's job is dead (its connection to the raylet closed); no
+        # public API reads it without the dashboard, which `megaray up` does not start.
+        for entry in ray._private.state.jobs():
+            if entry["JobID"] == self.ray_job:
+                return bool(entry["IsDead"])
+        return True  # not a job of this cluster (any more)
+
+
+def _claim() -> Claim | None:
     raw = _kv()._internal_kv_get(TAKEN, namespace=NAMESPACE)
-    return raw.decode() if raw else None
+    try:
+        return Claim(**json.loads(raw)) if raw else None
+    except (ValueError, TypeError):  # written by an older megaray: the job's name only
+        return Claim(raw.decode(errors="replace"), "")
 
 
 def state(layout: PoolLayout) -> str:
@@ -281,8 +325,12 @@ def state(layout: PoolLayout) -> str:
     groups, actors = _groups(layout), _actors(layout)
     if not groups:
         return "given back (idle, or taken and not refilled yet): the next launch refills it"
-    if (job := _taken_by()) is not None:
-        return f"in use by job {job}"
+    if (claim := _claim()) is not None:
+        if claim.ended():
+            return (
+                f"taken by job {claim.job}, which ended without giving it back: the next launch gives it back"
+            )
+        return f"in use by job {claim.job}"
     if actors is None or len(groups) < layout.nodes:
         return f"incomplete ({len(groups)} of {layout.nodes} group(s)): the next launch replaces it"
     refs = [a.info.remote() for a in actors.values()]
