@@ -142,6 +142,9 @@ NO_AUTOSCALER = (
 )
 
 
+FIXED_SIZE_WAIT_S = 10.0  # on a cluster megaray started itself (no autoscaler, no other node to come)
+
+
 def place_groups(
     spec: LaunchSpec, name: str, stop: StopSignal, fixed_size: bool, detached: bool = False
 ) -> list[PlacementGroup]:
@@ -167,7 +170,10 @@ def place_groups(
     elif problem:
         log.warning("%s; waiting up to %gs for more nodes", problem, spec.placement_timeout_s)
     before = describe_nodes()  # what others left free, for the message if we time out
-    deadline = time.monotonic() + spec.placement_timeout_s
+    # A cluster that cannot grow frees room only when a job ends: waiting for longer than the
+    # bundles of a launch that just ended take to be freed only delays the error.
+    wait_s = min(spec.placement_timeout_s, FIXED_SIZE_WAIT_S) if fixed_size else spec.placement_timeout_s
+    deadline = time.monotonic() + wait_s
     groups = create_groups(spec, name, detached)
     try:
         _wait_placed(groups, deadline, stop)
@@ -180,7 +186,7 @@ def place_groups(
             _wait_placed(groups, deadline, stop)
     except _NotPlaced as e:
         remove_groups(groups)
-        why = f"not placed within {spec.placement_timeout_s:g}s on {spec.nodes} distinct nodes"
+        why = f"not placed within {wait_s:g}s on {spec.nodes} distinct nodes"
         raise resource_error(
             spec, e.placed, f"{problem}; {why}" if problem else why, before, can_grow=not fixed_size, fix=fix
         ) from None

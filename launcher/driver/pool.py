@@ -31,7 +31,7 @@ from ..core.spec import LaunchSpec
 from ..core.target import DRY_RUN_TARGET
 from ..core.topology import RankReport, RankSlot, assign_ranks, order_nodes
 from . import placement
-from .actors import start_rank_actor, wait_all
+from .actors import first_line, start_rank_actor, wait_all
 from .cluster import NAMESPACE
 from .spares import warm_steps
 from .supervise import StopSignal
@@ -238,13 +238,24 @@ def take(spec: LaunchSpec, stop: StopSignal, start_env: dict[str, str] | None = 
         log.info("the %s is in use by job %s: this launch starts cold", layout.kind, other and other.job)
         return None
     claims = [a.claim.remote(spec.job_name) for a in by_bundle.values()]
-    if len(wait_all(claims, POOL_READY_S, stop)) < len(claims) or not all(ray.get(claims)):
-        _kv()._internal_kv_del(TAKEN, namespace=NAMESPACE)  # the next launch may find it ready
-        log.info("the %s is still starting, or another launch took it: this launch starts cold", layout.kind)
+    try:
+        if len(wait_all(claims, POOL_READY_S, stop)) < len(claims) or not all(ray.get(claims)):
+            _kv()._internal_kv_del(TAKEN, namespace=NAMESPACE)  # the next launch may find it ready
+            log.info(
+                "the %s is still starting, or another launch took it: this launch starts cold", layout.kind
+            )
+            return None
+        slots = assign_ranks(order_nodes(placement.resolve_nodes(groups)), spec.gpus_per_node)
+        actors = [by_bundle[(slot.group, slot.bundle)] for slot in slots]
+        reports = ray.get([a.info.remote() for a in actors], timeout=POOL_READY_S)
+    except (ray.exceptions.RayError, ValueError) as e:  # a process of it is gone: its node was lost
+        give_back(layout)
+        _kv()._internal_kv_del(TAKEN, namespace=NAMESPACE)
+        log.info(
+            "the %s has lost a process (%s): given back, this launch starts cold",
+            layout.kind, first_line(e),
+        )  # fmt: skip
         return None
-    slots = assign_ranks(order_nodes(placement.resolve_nodes(groups)), spec.gpus_per_node)
-    actors = [by_bundle[(slot.group, slot.bundle)] for slot in slots]
-    reports = ray.get([a.info.remote() for a in actors])
     log.info("taking the %s (%d processes %s)", layout.kind, len(actors), layout.holds)
     return Taken(
         groups, slots, actors, [replace(r, rank=sl.rank) for r, sl in zip(reports, slots, strict=True)],
