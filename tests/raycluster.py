@@ -85,7 +85,9 @@ result = [actors, groups]
         """One more node; returns once the head counts it."""
         before = self.nodes_alive()
         proc = self._start(
-            f"--address {self.gcs} --num-cpus {num_cpus} --num-gpus {num_gpus}", f"w{len(self.procs)}"
+            f"--address {self.gcs} --num-cpus {num_cpus} --num-gpus {num_gpus} "
+            f"--dashboard-agent-listen-port {free_port()}",
+            f"w{len(self.procs)}",
         )
         self._wait(lambda: self.nodes_alive() > before, proc, f"w{len(self.procs) - 1}")
         return proc
@@ -138,6 +140,9 @@ def start_cluster(num_cpus: int, num_gpus: int = 0) -> RayStartCluster:
     head = c._start(
         f"--head --port {port} --node-ip-address 127.0.0.1 --dashboard-host 127.0.0.1 "
         f"--dashboard-port {dash} --include-dashboard true --num-cpus {num_cpus} --num-gpus {num_gpus} "
+        # ports of its own for the job agent and the client server, whose defaults (52365, 10001) another
+        # Ray on this machine may hold: then no job can be submitted ("No available agent")
+        f"--dashboard-agent-listen-port {free_port()} --ray-client-server-port {free_port()} "
         f"--temp-dir {tmp}",
         "head",
     )

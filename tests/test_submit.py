@@ -154,9 +154,9 @@ def test_bad_launch_arguments_create_no_job(head, token, capsys, launch, message
 
 def test_token_problems_are_explained(head, tmp_path):
     # Fresh processes, as users run it: Ray caches the token mode and the token once per process.
-    def listing(**env: str) -> subprocess.CompletedProcess:
+    def listing(*args: str, **env: str) -> subprocess.CompletedProcess:
         base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
-        cmd = [sys.executable, "-m", "launcher", "list", "--address", head.url]
+        cmd = [sys.executable, "-m", "launcher", *(args or ("list", "--address", head.url))]
         return subprocess.run(cmd, cwd=REPO, env={**base, **env}, capture_output=True, text=True, timeout=60)
 
     wrong = listing(RAY_AUTH_TOKEN="not-the-token")
@@ -165,6 +165,14 @@ def test_token_problems_are_explained(head, tmp_path):
     assert missing.returncode == 2 and "no token was found here" in missing.stderr
     right = listing(HOME=str(tmp_path), RAY_AUTH_TOKEN_PATH=str(head.token_path))
     assert right.returncode == 0 and "sub-dry" in right.stdout
+    # the GCS's address, with the token and no RAY_AUTH_MODE: Ray's job client asks the GCS for the
+    # dashboard first, which rejected it; and the listing's own connection is not a job
+    token = head.token_path.read_text().strip()
+    by_gcs = listing("list", HOME=str(tmp_path), RAY_AUTH_TOKEN=token, RAY_ADDRESS=head.gcs)
+    assert by_gcs.returncode == 0 and "sub-dry" in by_gcs.stdout, by_gcs.stderr
+    assert "main.py" not in by_gcs.stdout and "-m launcher" not in by_gcs.stdout
+    status = listing("status", "sub-dry", HOME=str(tmp_path), RAY_AUTH_TOKEN=token, RAY_ADDRESS=head.gcs)
+    assert status.returncode == 0, status.stderr
 
 
 def test_unknown_job_and_unreachable_dashboard(head, token, capsys):

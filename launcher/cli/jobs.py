@@ -9,6 +9,7 @@ job on the cluster instead of only detaching from its logs, as `ray job submit` 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -37,12 +38,18 @@ def _client(address: str | None):
     from ray.exceptions import AuthenticationError
     from ray.job_submission import JobSubmissionClient
 
+    from ..driver.auth import token_mode
+
     if not address:
         _check_last_cluster()
     shown = address or get_address_for_submission_client(None)
     logging.getLogger("ray.dashboard.modules.job.sdk").setLevel(logging.WARNING)  # "WebSocket closed"
+    # Given a GCS address, Ray's client first asks the GCS for the dashboard's URL, in token mode only
+    # where RAY_AUTH_MODE=token is set: attach as a launch does (the token this machine has).
+    asks_gcs = token_mode(shown, announce=False) if "://" not in shown else contextlib.nullcontext()
     try:
-        return JobSubmissionClient(address, headers=auth_headers(os.environ))
+        with asks_gcs:
+            return JobSubmissionClient(address, headers=auth_headers(os.environ))
     except AuthenticationError as e:
         rejected = "invalid" in str(e).lower() or "forbidden" in str(e).lower()
         raise ClusterError(
@@ -214,7 +221,11 @@ def main(argv: list[str]) -> int:
         if up_only:
             print("jobs: none on `megaray up`'s Ray (no dashboard); `megaray submit --address` runs one")
             return 0
-        jobs = sorted(_client(address).list_jobs(), key=lambda j: j.start_time or 0)
+        from ray.job_submission import JobType
+
+        # submitted jobs; not the drivers that merely connected (this very listing's, a launch's)
+        listed = [j for j in _client(address).list_jobs() if j.type == JobType.SUBMISSION]
+        jobs = sorted(listed, key=lambda j: j.start_time or 0)
         print(format_jobs(jobs))
         return 0
     client = _client(address)
