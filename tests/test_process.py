@@ -206,6 +206,25 @@ def test_a_recorded_error_is_reported_as_torchrun_reports_it(tmp_path):
     assert 'raise ValueError("bad batch at step 3")' in (run / "rank-1.log").read_text()
 
 
+CLOSES_OUTPUT = """
+import os
+print("rank", os.environ["RANK"], "closes its output", flush=True)
+os.close(1)
+os.close(2)
+"""
+
+
+def test_a_program_that_closes_its_stdout_and_stderr_ends_as_under_torchrun(tmp_path):
+    """Exit 0 under torchrun; the rank's own flush at the end raised EBADF and failed the job."""
+    env = base_env(tmp_path)
+    script = tmp_path / "closes_output.py"
+    script.write_text(CLOSES_OUTPUT)
+    assert under_torchrun(tmp_path, str(script), env=env).returncode == 0
+    done = under_megaray(tmp_path, str(script), env=env)
+    assert done.returncode == 0 and "all 2 ranks finished" in done.stderr, done.stderr[-3000:]
+    assert "rank 0 closes its output" in done.stdout
+
+
 READS_STDIN = """
 import os
 try:

@@ -8,6 +8,7 @@ both in `setup()`, after the actor has started and before the target imports any
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import runpy
 import signal
@@ -28,6 +29,7 @@ from ..core.refs import load_function, split_ref
 from ..core.target import Target, TargetKind
 from ..core.topology import RankReport, candidate_ports
 from ..core.versions import python_version
+from .capture import flush_streams
 from .plain_process import as_a_plain_process, fresh_sys_path, match_thread_pools, use_own_modules
 from .probes import (
     REPLACED_EXIT_TIMEOUT_S,
@@ -214,12 +216,12 @@ class RankActor:
         except BaseException as e:
             # as Python prints an exception that ends a program (with exit code 1): the rank's log
             # keeps it too
-            print(user_traceback(e), end="", file=sys.stderr, flush=True)
+            with contextlib.suppress(OSError, ValueError):
+                print(user_traceback(e), end="", file=sys.stderr, flush=True)
             summary = f"{type(e).__name__}: {e}".strip().splitlines()[0]
             return _failure("exception", summary, e, 1, self.error_file)
         finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
+            flush_streams()
             if self.capture is not None:
                 self.capture.sync()  # the driver has every line of this rank before its result
 

@@ -96,13 +96,21 @@ class Capture:
         """Return once everything written so far has reached the sink (before the rank reports)."""
         import ray
 
-        sys.stdout.flush()
-        sys.stderr.flush()
+        flush_streams()
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline and self.sent < os.fstat(1).st_size:
+        # the spool's size through our own descriptor: a program may have closed 1 and 2
+        while time.monotonic() < deadline and self.sent < os.fstat(self.read_fd).st_size:
             time.sleep(0.01)
         if self.last_ref is not None:
             ray.wait([self.last_ref], timeout=max(0.0, deadline - time.monotonic()))
+
+
+def flush_streams() -> None:
+    """What Python holds of the program's output, written; nothing when the program closed its
+    stdout or stderr (file descriptors 1 and 2), as a Python process at exit ignores that too."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError, AttributeError):
+            stream.flush()
 
 
 def report(iteration: int, total: int | None = None, loss: float | None = None, tokens: int | None = None):
