@@ -231,6 +231,14 @@ def test_spec_from_args_reads_the_torchrun_shape(tmp_path):
         (["up", "--cpus-per-rank", "-1"], "--cpus-per-rank must be above 0 with --device cpu, got -1.0"),
         (["up", "--idle-timeout", "nan"], "argument --idle-timeout: must be a finite number, got 'nan'"),
         (["up", "--nodes", "0"], "--nodes must be at least 1, got 0"),
+        (
+            ["--gpus-per-node", "4", "--log-ranks", "1-0", "--dry-run"],
+            "the range 1-0 runs backwards (write 0-1)",
+        ),
+        (["--gpus-per-node", "4", "--log-ranks", "3-1,x", "--dry-run"], "(write 1-3); 'x' is not a rank"),
+        (["--recipe", "./nope.yaml"], "recipe file ./nope.yaml not found"),
+        (["--address", "http://127.0.0.1:8265", "--dry-run"], "is a dashboard's URL, which `megaray submit`"),
+        (["--address", "http://[::1", "--dry-run"], "is a dashboard's URL"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv, message, capsys):
@@ -266,6 +274,22 @@ def test_missing_targets_are_caught_in_the_driver(tmp_path):
     (tmp_path / "d" / "corpus.bin").write_bytes(b"")
     (tmp_path / "d" / "corpus.idx").write_bytes(b"")
     check_target_locally(dry, str(tmp_path))  # relative to the launch's working directory, as ranks read it
+
+
+def test_a_folder_as_script_or_as_state_dir_is_one_line(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "adir").mkdir()
+    assert main(["--device", "cpu", "adir"]) == 2
+    assert "script adir is a folder, not a Python file" in capsys.readouterr().err
+    (tmp_path / "afile").write_text("")
+    monkeypatch.setenv("MEGARAY_STATE_DIR", str(tmp_path / "afile"))
+    for argv in (["list"], ["down"], ["up"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert (
+            f"MEGARAY_STATE_DIR names {tmp_path / 'afile'}, which is not a folder" in err
+            and err.count("\n") == 1
+        )
 
 
 def test_missing_script_exits_2_before_any_ray(tmp_path, monkeypatch, capsys):

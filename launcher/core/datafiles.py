@@ -31,6 +31,11 @@ def load_yaml(folder: str, name_or_path: str, what: str) -> tuple[Path, Any]:
         found = [
             d / f"{name_or_path}.yaml" for d in data_dirs(folder) if (d / f"{name_or_path}.yaml").is_file()
         ]
+        if not found and path.suffix in (".yaml", ".yml"):  # a path, not a name: say so
+            raise UsageError(
+                f"{what} file {name_or_path} not found (looked in {Path.cwd()}); give the path of a YAML "
+                f"file, or one of {', '.join(available(folder))}"
+            )
         if not found:
             raise UsageError(
                 f"unknown {what} {name_or_path!r}; choose one of {', '.join(available(folder))} "

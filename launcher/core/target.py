@@ -105,6 +105,11 @@ def check_target_locally(target: Target, cwd: str) -> None:
         return
     if target.kind is TargetKind.SCRIPT:
         path = os.path.join(cwd, target.name)
+        if os.path.isdir(path):
+            raise UsageError(
+                f"script {target.name} is a folder, not a Python file; give the file to run (or a package's "
+                "module with -m)"
+            )
         if not os.path.isfile(path):
             raise UsageError(
                 f"script {target.name} not found (looked in {cwd}); give the path of a Python file"

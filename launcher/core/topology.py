@@ -164,13 +164,20 @@ def parse_rank_list(text: str, world_size: int) -> frozenset[int]:
     """`--log-ranks`: "all", or ranks and ranges such as "0,3,8-11"."""
     if text.strip().lower() == "all":
         return frozenset(range(world_size))
-    ranks: set[int] = set()
-    for part in text.split(","):
+    parts, wrong = [], []
+    for part in text.split(","):  # every part is read, and every wrong one named, in one line
         lo, sep, hi = part.strip().partition("-")
         if not lo.isdigit() or (sep and not hi.isdigit()):
-            raise ValueError(f"--log-ranks {text!r} must be 'all' or ranks such as 0,3,8-11")
-        first, last = int(lo), int(hi) if sep else int(lo)
-        if last < first or last >= world_size:
+            wrong.append(f"{part.strip()!r} is not a rank or a range such as 8-11")
+        elif sep and int(hi) < int(lo):
+            wrong.append(f"the range {part.strip()} runs backwards (write {hi}-{lo})")
+        else:
+            parts.append((int(lo), int(hi) if sep else int(lo)))
+    if wrong:
+        raise ValueError(f"--log-ranks {text!r}: {'; '.join(wrong)}")
+    ranks: set[int] = set()
+    for first, last in parts:
+        if last >= world_size:
             raise ValueError(
                 f"--log-ranks {text!r} names rank {last}, but the world has {world_size} rank(s)"
             )

@@ -67,7 +67,13 @@ def check_reachable(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> GcsAnsw
     """Raise ClusterError (one line, the cause and the fix) unless a Ray GCS answers at `address`,
     within about `timeout_s` for each of the three questions; return its answer to a call without a
     token (UNAUTHENTICATED: it uses token authentication)."""
-    if address in ("auto", "local") or "://" in address:
+    if address.lower().startswith(("http://", "https://")):
+        raise ClusterError(
+            f"{address} is a dashboard's URL, which `megaray submit` takes; a launch attaches to the "
+            "cluster's GCS: give --address HEAD:6379 (`ray start --head` prints it), or use `megaray submit "
+            "--address` with this URL"
+        )
+    if address in ("auto", "local") or "://" in address:  # ray:// (Ray Client): Ray's own to check
         return GcsAnswer.UNASKED
     host, sep, port = address.rpartition(":")
     if not sep or not port.isdigit():

@@ -39,7 +39,16 @@ NODE_START_TIMEOUT_S = 90.0
 def state_dir() -> Path:
     """Private to this user: the state file and the cluster's Ray temp dir (short, for Ray's sockets)."""
     d = Path(os.environ.get("MEGARAY_STATE_DIR") or Path(tempfile.gettempdir()) / f"megaray-{os.getuid()}")
-    d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    try:
+        d.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as e:
+        named = (
+            "MEGARAY_STATE_DIR names" if os.environ.get("MEGARAY_STATE_DIR") else "megaray keeps its state in"
+        )
+        raise UsageError(
+            f"{named} {d}, which is not a folder megaray can use ({e.strerror or e}): point "
+            "MEGARAY_STATE_DIR at a writable folder"
+        ) from None
     return d
 
 
