@@ -279,17 +279,23 @@ def test_a_warm_pool_on_the_cluster_is_taken_by_a_launch_there_refilled_and_give
     assert cluster.alive("rs-pool") == ([], [])
     # a launch of another layout while a job runs in the refilled pool: the pool is not taken from it
     sleeper = driver(cluster, ["--job-name", "rs-pool2", *LAYOUT, "--runs-dir", str(tmp_path / "runs"),
-                               script(tmp_path, "z.py", SLEEPER), "6"])  # fmt: skip
+                               script(tmp_path, "z.py", SLEEPER), "15"])  # fmt: skip
     log = tmp_path / "runs" / "rs-pool2" / "rank-0.log"
     deadline = time.monotonic() + 120
     while not (log.exists() and "sum 4" in log.read_text()):
         assert sleeper.poll() is None and time.monotonic() < deadline, sleeper.communicate()[0][-3000:]
         time.sleep(0.3)
-    code, text = run(cluster, ["--job-name", "rs-other", "--nodes", "1", "--gpus-per-node", "1",
-                               "--placement-timeout", "3", script(tmp_path, "y.py", GLOO)])  # fmt: skip
-    assert "the warm pool is in use by job rs-pool2: this launch starts cold" in text, text[-3000:]
+    # a second launch of the pool's layout meanwhile (the first sleeps 15 s): it starts cold and waits
+    # for room, which the first launch's end frees; the pool is not refilled into that room ahead of it
+    # (it was, and the second launch failed after --placement-timeout beside an idle pool of its layout)
+    other = driver(cluster, ["--job-name", "rs-other", *LAYOUT, "--runs-dir", str(tmp_path / "runs"),
+                             script(tmp_path, "y.py", GLOO)])  # fmt: skip
     out2, _ = sleeper.communicate(timeout=120)
     assert sleeper.returncode == 0 and "taking the warm pool" in out2, out2[-3000:]
+    assert "a launch is waiting for room (placement group rs-other-node" in out2, out2[-3000:]
+    text, _ = other.communicate(timeout=120)
+    assert other.returncode == 0, text[-3000:]
+    assert "the warm pool is in use by job rs-pool2: this launch starts cold" in text, text[-3000:]
     listed = megaray(cluster, "list", "--address", gcs)  # refilled at the end of the launch
     assert re.search(r"2 CPU ranks, (ready: 4|importing: \d of 4)", listed.stdout), listed
     down = megaray(cluster, "down", "--address", gcs)

@@ -80,6 +80,15 @@ def groups_of_job(job: str) -> list[str]:
     )
 
 
+def groups_waiting(but: str) -> list[str]:
+    """Placement groups not yet placed (a launch waiting for room), but those named `but`..."""
+    return sorted(
+        g["name"]
+        for g in placement_group_table().values()
+        if g["state"] == "PENDING" and not g["name"].startswith(but)
+    )
+
+
 def check_name_free(job: str) -> None:
     """A second launch under a running job's name would collide with its groups and actors."""
     taken = groups_of_job(job)

@@ -298,6 +298,12 @@ def refill() -> None:
     layout = recorded()
     if layout is None or len(_groups(layout)) == layout.nodes:
         return
+    if waiting := placement.groups_waiting(but=POOL):  # the room this launch freed is theirs first
+        log.info(
+            "a launch is waiting for room (placement group %s): the %s is not refilled now; the launch "
+            "after it refills it", waiting[0], layout.kind,
+        )  # fmt: skip
+        return
     try:
         fill(layout, wait=False)
     except Exception as e:  # the next launch starts cold, and says so
