@@ -231,6 +231,8 @@ def test_spec_from_args_reads_the_torchrun_shape(tmp_path):
         (["up", "--cpus-per-rank", "-1"], "--cpus-per-rank must be above 0 with --device cpu, got -1.0"),
         (["up", "--idle-timeout", "nan"], "argument --idle-timeout: must be a finite number, got 'nan'"),
         (["up", "--nodes", "0"], "--nodes must be at least 1, got 0"),
+        (["up", "--gpus-per-node", "100000"], "100000 CPU ranks would be 100000 processes on this machine"),
+        (["--device", "cpu", "--gpus-per-node", "100000", "--dry-run"], "which holds at most"),
         (
             ["--gpus-per-node", "4", "--log-ranks", "1-0", "--dry-run"],
             "the range 1-0 runs backwards (write 0-1)",

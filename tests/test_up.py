@@ -350,3 +350,23 @@ def test_a_pool_taken_by_a_launch_whose_driver_was_killed_is_free(env, tmp_path)
     finally:
         down = megaray(env, "down")
     assert down.returncode == 0 and processes_under(env["MEGARAY_STATE_DIR"]) == []
+
+
+def test_sigterm_while_up_starts_its_nodes_leaves_nothing(env):
+    """SIGTERM once the head runs, while the next node starts: the nodes started are stopped, one line,
+    exit 143 (Ray's own handler aborted the process, and the last node stayed up)."""
+    import signal
+    import time
+
+    state = env["MEGARAY_STATE_DIR"]
+    up = subprocess.Popen([sys.executable, "main.py", "up", "--nodes", "2", "--gpus-per-node", "1"], cwd=REPO,
+                          env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)  # fmt: skip
+    deadline = time.monotonic() + 90
+    while not any("/raylet " in p for p in processes_under(state)):
+        assert up.poll() is None and time.monotonic() < deadline, up.communicate()
+        time.sleep(0.1)
+    up.send_signal(signal.SIGTERM)
+    _, err = up.communicate(timeout=90)
+    assert up.returncode == 143, err[-3000:]
+    assert "interrupted by SIGTERM: stopped the nodes started so far" in err and "Traceback" not in err
+    assert processes_under(state) == [] and not (Path(state) / "up.json").exists()

@@ -11,7 +11,8 @@ import time
 from collections.abc import Iterator
 
 from ..core.args import ArgumentParser, number
-from ..core.errors import MegarayError, UsageError
+from ..core.errors import Interrupted, MegarayError, UsageError
+from ..core.topology import local_ranks_problem
 
 log = logging.getLogger("megaray")
 
@@ -104,6 +105,10 @@ def _up(args: argparse.Namespace) -> int:
             layout.describe(), args.address, args.address, args.idle_timeout,
         )  # fmt: skip
         return 0
+    if device == "cpu" and (
+        problem := local_ranks_problem(args.nodes * args.gpus_per_node, os.cpu_count() or 1)
+    ):
+        raise UsageError(problem)
     if device == "gpu" and args.nodes > 1:
         raise UsageError(
             "simulated nodes hold CPU ranks: use --device cpu, or --nodes 1 for this machine's GPUs"
@@ -112,7 +117,11 @@ def _up(args: argparse.Namespace) -> int:
     if standing is not None:
         log.info("`megaray up` is already running at %s; `megaray down` stops it", standing.describe())
         return 0
-    standing = up.start(args.nodes, args.gpus_per_node, device, args.cpus_per_rank, lambda: keep(layout))
+    try:
+        standing = up.start(args.nodes, args.gpus_per_node, device, args.cpus_per_rank, lambda: keep(layout))
+    except Interrupted as e:
+        log.error("interrupted by %s: stopped the nodes started so far; nothing is left running", e.name)
+        return e.exit_code
     log.info(
         "started a local Ray at %s, with a %s (one process per rank, %s); launches without --address or "
         "RAY_ADDRESS use it until `megaray down`",

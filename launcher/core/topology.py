@@ -183,3 +183,22 @@ def parse_rank_list(text: str, world_size: int) -> frozenset[int]:
             )
         ranks.update(range(first, last + 1))
     return frozenset(ranks)
+
+
+# A Ray megaray starts on this machine (a local run, simulated nodes, `megaray up`) holds every CPU
+# rank as a process here, a Python with torch each: more than this many only thrash the machine (100000
+# asked for started a head that spun at full CPU and ignored Ctrl-C).
+LOCAL_RANKS_PER_CPU = 8
+LOCAL_RANKS_MIN = 32
+
+
+def local_ranks_problem(world_size: int, cpus: int) -> str | None:
+    """Why `world_size` CPU ranks are too many for this machine, or None."""
+    limit = max(LOCAL_RANKS_MIN, LOCAL_RANKS_PER_CPU * cpus)
+    if world_size <= limit:
+        return None
+    return (
+        f"{world_size} CPU ranks would be {world_size} processes on this machine ({cpus} CPUs), which holds "
+        f"at most {limit} ({LOCAL_RANKS_PER_CPU} per CPU): lower --nodes / --gpus-per-node, or attach to a "
+        "cluster with --address"
+    )

@@ -14,10 +14,10 @@ from typing import Any
 
 import ray
 
-from ..core.errors import ClusterError
+from ..core.errors import ClusterError, UsageError
 from ..core.spec import RAY_NAMESPACE, LaunchSpec
 from ..core.target import TargetKind
-from ..core.topology import RankReport
+from ..core.topology import RankReport, local_ranks_problem
 from ..core.versions import python_version
 from . import ends_with_command, up
 from .auth import AUTH_HINT, token_mode
@@ -97,6 +97,8 @@ def connect(spec: LaunchSpec) -> Iterator[Cluster]:
             )
             _attach(stack, standing.address, streams, announce=False)
             cluster = Cluster(address=standing.address, fixed_size=True)
+        elif not spec.uses_gpus and (problem := local_ranks_problem(spec.world_size, os.cpu_count() or 1)):
+            raise UsageError(problem)
         elif spec.dry_run or (spec.nodes > 1 and not spec.uses_gpus):
             # the exact launch a cluster will get, its nodes simulated here: NODE_RANK, GROUP_RANK and
             # cross-node collectives over gloo can be tried on a laptop

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..core.errors import ClusterError, UsageError
+from ..core.errors import ClusterError, Interrupted, UsageError
 from ..core.raytoken import auth_disabled, find_token, token_path
 from .owned import is_still, session_members, start_ticks
 
@@ -144,10 +144,12 @@ def start(
         address, nodes, gpus_per_node, device, (procs[0].pid,), str(temp_dir), time.time(), cpus_per_rank,
         (start_ticks(procs[0].pid),),
     )  # fmt: skip
+    _raise_on_signals()  # Ctrl-C or SIGTERM while the nodes start: stop those started, then exit
     try:
         _wait(lambda: _reachable(address), procs[0], logs)
         with token_mode(address, announce=False):
             ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
+            _raise_on_signals()  # ray.init put its own SIGTERM handler, which aborts the process
             try:
                 for _ in range(nodes - 1):  # one at a time: raylets registering together time out on 2 cores
                     before = _count_alive()
@@ -158,13 +160,29 @@ def start(
                     when_ready()
             finally:
                 ray.shutdown()
-    except BaseException:
+    except BaseException as e:
+        for sig in (signal.SIGINT, signal.SIGTERM):  # the nodes are stopped whatever comes now
+            signal.signal(sig, signal.SIG_IGN)
         stop(_recorded(state, procs))
+        if isinstance(e, SystemExit) and e.code == signal.SIGTERM:  # Ray's driver handler: sys.exit(15)
+            raise Interrupted(signal.SIGTERM, "SIGTERM") from None
+        if isinstance(e, KeyboardInterrupt):
+            raise Interrupted(signal.SIGINT, "SIGINT") from None
         raise
     state = _recorded(state, procs)
     _path().write_text(json.dumps(dataclasses.asdict(state)))
     os.chmod(_path(), 0o600)
     return state
+
+
+def _raise_on_signals() -> None:
+    """SIGINT and SIGTERM raise Interrupted here (the caller's `except` stops the nodes started)."""
+
+    def handler(signum: int, _frame: object) -> None:
+        raise Interrupted(signum, signal.Signals(signum).name)
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handler)
 
 
 def ensure_token(environ: dict[str, str], home: Path) -> None:
