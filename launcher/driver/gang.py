@@ -80,6 +80,13 @@ class RankHandle:
         return RankInfo(s.rank, s.local_rank, s.node_rank, s.node_ip, r.hostname, ",".join(r.gpu_ids), r.pid)
 
 
+def _where(h: RankHandle) -> dict[str, Any]:
+    """What a RankFailure says of where the rank ran."""
+    s, r = h.slot, h.report
+    return {"rank": s.rank, "node_ip": s.node_ip, "hostname": r.hostname, "gpu": h.info.gpu,
+            "local_rank": s.local_rank, "pid": r.pid}  # fmt: skip
+
+
 class RankGang:
     """Start with `place()` then `start()`; run with `run()` or `call()`; end with `teardown()`.
 
@@ -275,8 +282,7 @@ class RankGang:
     def outcome(self, ref: Any, rank: int) -> tuple[bool, Any]:
         """(True, what the rank returned) or (False, its RankFailure)."""
         h = self.handles[rank]
-        where = {"rank": rank, "node_ip": h.slot.node_ip, "hostname": h.report.hostname, "gpu": h.info.gpu,
-                 "local_rank": h.slot.local_rank, "pid": h.report.pid}  # fmt: skip
+        where = _where(h)
         try:
             out = ray.get(ref)
         except ray.exceptions.RayActorError as e:
