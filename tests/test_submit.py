@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -68,6 +69,15 @@ def test_dry_run_job_streams_topology_and_succeeds(head, token, capsys):
     assert f"job {job} SUCCEEDED" in err
     assert head.status(job) == "SUCCEEDED"
     assert head.alive(job) == ([], [])
+    # its run directory is on the head, outside the job's working directory (Ray's to unpack again and
+    # delete): in the temp folder, where this test's head runs too
+    import tempfile
+
+    runs = Path(tempfile.gettempdir()) / f"megaray-runs-{os.getuid()}"
+    found = re.search(
+        rf"run directory: ({re.escape(str(runs / job))}(\.\d+)?)\n", out
+    )  # .1: an earlier run's
+    assert found and (Path(found.group(1)) / "topology.json").exists(), out[-3000:]
 
     # the job commands read it back
     assert main(["status", job, "--address", head.url]) == 0
@@ -190,7 +200,7 @@ def test_a_head_whose_python_lacks_megaray_ends_the_job_in_one_line(head, token,
     runtime_env = json.dumps({"env_vars": {"PATH": f"{bare}:/usr/bin:/bin"}})
     argv = ["submit", "--address", head.url, "--runtime-env-json", runtime_env, "--", "--job-name", "sub-np",
             "--dry-run"]  # fmt: skip
-    assert main(argv) == 1
+    assert main(argv) == 2  # bad setup, as any other: not a rank's failure
     out, err = capsys.readouterr()
     line = next(ln for ln in (out + err).splitlines() if ln.startswith("megaray: error: the job runs /"))
     assert (

@@ -198,6 +198,12 @@ def submit(spec: SubmitSpec) -> int:
             raise UsageError(
                 f"a job named {spec.submission_id} exists on the cluster already: pick another --job-name"
             ) from None
+        if "413" in str(e) or "maximum request body" in str(e).lower():
+            raise UsageError(
+                f"the working directory ({spec.working_dir or '.'}) packs to more than Ray's dashboard takes "
+                "in one upload (100 MiB): leave data and checkpoints out of it (.gitignore or .rayignore) "
+                "and read them from storage every node reaches"
+            ) from None
         raise ClusterError(f"submitting the job failed: {str(e).splitlines()[0]}") from None
     log.info("submitted job %s to %s", job, client.get_address())
     if not spec.wait:

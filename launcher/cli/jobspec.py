@@ -261,8 +261,9 @@ BOOTSTRAP = f"""import sys
 try:
     from launcher.cli.main import job_driver
 except ImportError as e:
-    sys.exit(f'megaray: error: the job runs {{sys.executable}}, which cannot import megaray ({{e}}): '
-             '{ENV_FIX}')
+    print(f'megaray: error: the job runs {{sys.executable}}, which cannot import megaray ({{e}}): '
+          '{ENV_FIX}', file=sys.stderr)
+    sys.exit(2)
 sys.exit(job_driver(WANT_RAY, WANT_PY))"""
 
 

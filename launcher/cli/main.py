@@ -152,4 +152,16 @@ def job_driver(want_ray: str, want_python: str) -> int:
             file=sys.stderr,
         )
         return 2
-    return main(sys.argv[1:])
+    argv = sys.argv[1:]
+    if not any(a == "--runs-dir" or a.startswith("--runs-dir=") for a in argv):
+        argv = ["--runs-dir", job_runs_dir(), *argv]
+    return main(argv)
+
+
+def job_runs_dir() -> str:
+    """Where a submitted job's run directories go on the head: not under its working directory, which
+    is Ray's copy of the upload, shared by the raylets of one machine (a second raylet unpacking it
+    again removed a run directory being written) and deleted when Ray evicts it."""
+    import tempfile
+
+    return os.path.join(tempfile.gettempdir(), f"megaray-runs-{os.getuid()}")
