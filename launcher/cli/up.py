@@ -138,7 +138,7 @@ def show_pools(address: str | None) -> bool:
     standing = up.running()
     if standing is not None:
         age = time.time() - standing.started_at
-        print(f"megaray up: {standing.describe()}, up {age / 60:.0f} min, temp dir {standing.temp_dir}")
+        print(f"megaray up: {standing.describe()}, up {int(age // 60)} min, temp dir {standing.temp_dir}")
     where = address or (standing.address if standing else None)
     if where is None:
         return False
