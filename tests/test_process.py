@@ -111,6 +111,14 @@ def under_megaray(tmp_path: Path, script: str, *args: str, env: dict[str, str], 
                           stdin=subprocess.DEVNULL)  # fmt: skip
 
 
+def under_both(tmp_path: Path, name: str, program: str):
+    """The program, unchanged, under torchrun and then under megaray: (torchrun's, megaray's)."""
+    env = base_env(tmp_path)
+    script = tmp_path / name
+    script.write_text(program)
+    return under_torchrun(tmp_path, str(script), env=env), under_megaray(tmp_path, str(script), env=env)
+
+
 def comparable(views: list[dict], work: Path) -> list[dict]:
     """The probe's views with the one thing that differs between two runs, the folder, made equal."""
     text = json.dumps(views).replace(str(work), "<work>")
@@ -155,12 +163,8 @@ if os.environ["RANK"] == "1":
 
 
 def test_a_process_that_dies_on_its_way_out_fails_the_launch(tmp_path):
-    env = base_env(tmp_path)
-    script = tmp_path / "abort_on_exit.py"
-    script.write_text(ABORT_ON_EXIT)
-    torchrun = under_torchrun(tmp_path, str(script), env=env)
+    torchrun, done = under_both(tmp_path, "abort_on_exit.py", ABORT_ON_EXIT)
     assert torchrun.returncode == 1 and "SIGABRT" in torchrun.stderr, torchrun.stderr[-3000:]
-    done = under_megaray(tmp_path, str(script), env=env)
     report = done.stderr
     assert done.returncode == 1, report[-3000:]
     assert "all 2 ranks finished" not in report
@@ -187,12 +191,8 @@ def test_a_recorded_error_is_reported_as_torchrun_reports_it(tmp_path):
     """torch elastic's @record writes TORCHELASTIC_ERROR_FILE; the report names what torchrun's does
     (rank and local rank, pid, exit code, time, the error file) with the traceback as recorded, and
     the rank's log keeps the traceback."""
-    env = base_env(tmp_path)
-    script = tmp_path / "records.py"
-    script.write_text(RECORDS)
-    torchrun = under_torchrun(tmp_path, str(script), env=env)
+    torchrun, done = under_both(tmp_path, "records.py", RECORDS)
     assert torchrun.returncode == 1 and "error_file: " in torchrun.stderr, torchrun.stderr[-3000:]
-    done = under_megaray(tmp_path, str(script), env=env)
     report = done.stderr[done.stderr.index("Root cause") :]
     assert done.returncode == 1, done.stderr[-3000:]
     for line in ("rank      : 1 of 2", "what      : ValueError: bad batch at step 3", "local rank: 1",
@@ -216,11 +216,8 @@ os.close(2)
 
 def test_a_program_that_closes_its_stdout_and_stderr_ends_as_under_torchrun(tmp_path):
     """Exit 0 under torchrun; the rank's own flush at the end raised EBADF and failed the job."""
-    env = base_env(tmp_path)
-    script = tmp_path / "closes_output.py"
-    script.write_text(CLOSES_OUTPUT)
-    assert under_torchrun(tmp_path, str(script), env=env).returncode == 0
-    done = under_megaray(tmp_path, str(script), env=env)
+    torchrun, done = under_both(tmp_path, "closes_output.py", CLOSES_OUTPUT)
+    assert torchrun.returncode == 0, torchrun.stderr[-3000:]
     assert done.returncode == 0 and "all 2 ranks finished" in done.stderr, done.stderr[-3000:]
     assert "rank 0 closes its output" in done.stdout
 
