@@ -370,3 +370,29 @@ def test_sigterm_while_up_starts_its_nodes_leaves_nothing(env):
     assert up.returncode == 143, err[-3000:]
     assert "interrupted by SIGTERM: stopped the nodes started so far" in err and "Traceback" not in err
     assert processes_under(state) == [] and not (Path(state) / "up.json").exists()
+
+
+def test_a_node_of_up_killed_leaves_launches_one_line_and_down_stops_the_rest(env):
+    """kill -9 of one node's `ray start`: its pool process is gone (a launch of the pool's layout got a
+    traceback, and one of another layout waited 120 s beside the pool's held bundle). Now: the pool
+    is given back, a launch that no longer fits fails in seconds, one that fits runs, and `megaray down`
+    stops what is left of that node too."""
+    import json
+    import signal
+    import time
+
+    runs = ["--device", "cpu", "--gpus-per-node", "1", "--runs-dir", tempfile.mkdtemp(prefix="mru-runs-")]
+    try:
+        assert megaray(env, "up", "--nodes", "2", "--gpus-per-node", "1").returncode == 0
+        second = json.loads((Path(env["MEGARAY_STATE_DIR"]) / "up.json").read_text())["pids"][1]
+        os.kill(second, signal.SIGKILL)  # the pid megaray recorded: our own child's child, by its pid
+        t0 = time.monotonic()
+        lost = megaray(env, *runs, "--nodes", "2", "examples/torchrun_script.py")
+        assert lost.returncode == 2 and "Traceback" not in lost.stderr, lost.stderr[-3000:]
+        gone = ("has lost a process", "is not there")  # told by its call failing, or Ray knows already
+        assert any(g in lost.stderr for g in gone) and time.monotonic() - t0 < 90, lost.stderr[-3000:]
+        fits = megaray(env, *runs, "examples/torchrun_script.py")
+        assert fits.returncode == 0, fits.stderr[-3000:]
+    finally:
+        down = megaray(env, "down")
+    assert down.returncode == 0 and processes_under(env["MEGARAY_STATE_DIR"]) == []
