@@ -373,10 +373,10 @@ def test_sigterm_while_up_starts_its_nodes_leaves_nothing(env):
 
 
 def test_a_node_of_up_killed_leaves_launches_one_line_and_down_stops_the_rest(env):
-    """kill -9 of one node's `ray start`: its pool process is gone (a launch of the pool's layout got a
-    traceback, and one of another layout waited 120 s beside the pool's held bundle). Now: the pool
-    is given back, a launch that no longer fits fails in seconds, one that fits runs, and `megaray down`
-    stops what is left of that node too."""
+    """One node of `megaray up` killed (its `ray start` and raylet): its pool process is gone (a
+    launch of the pool's layout got a traceback, and one of another layout waited 120 s beside the
+    pool's held bundle). Now: the pool is given back, a launch that no longer fits fails in seconds,
+    one that fits runs, and `megaray down` stops what is left of that node too."""
     import json
     import signal
     import time
@@ -385,7 +385,12 @@ def test_a_node_of_up_killed_leaves_launches_one_line_and_down_stops_the_rest(en
     try:
         assert megaray(env, "up", "--nodes", "2", "--gpus-per-node", "1").returncode == 0
         second = json.loads((Path(env["MEGARAY_STATE_DIR"]) / "up.json").read_text())["pids"][1]
-        os.kill(second, signal.SIGKILL)  # the pid megaray recorded: our own child's child, by its pid
+        # the node lost: its `ray start` and its raylet (the process group megaray started it in)
+        os.killpg(second, signal.SIGKILL)
+        deadline = time.monotonic() + 30  # its workers (the pool's process) end when they see it gone
+        while any(_in_session(pid, second) for pid in os.listdir("/proc") if pid.isdigit()):
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
         t0 = time.monotonic()
         lost = megaray(env, *runs, "--nodes", "2", "examples/torchrun_script.py")
         assert lost.returncode == 2 and "Traceback" not in lost.stderr, lost.stderr[-3000:]
@@ -396,3 +401,12 @@ def test_a_node_of_up_killed_leaves_launches_one_line_and_down_stops_the_rest(en
     finally:
         down = megaray(env, "down")
     assert down.returncode == 0 and processes_under(env["MEGARAY_STATE_DIR"]) == []
+
+
+def _in_session(pid: str, session: int) -> bool:
+    """Whether process `pid` runs (not a zombie) in `session`."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] != "Z" and int(fields[3]) == session
