@@ -198,7 +198,7 @@ def submit(spec: SubmitSpec) -> int:
             raise UsageError(
                 f"a job named {spec.submission_id} exists on the cluster already: pick another --job-name"
             ) from None
-        if "413" in str(e) or "maximum request body" in str(e).lower():
+        if "status code 413" in str(e) or "maximum request body" in str(e).lower():
             raise UsageError(
                 f"the working directory ({spec.working_dir or '.'}) packs to more than Ray's dashboard takes "
                 "in one upload (100 MiB): leave data and checkpoints out of it (.gitignore or .rayignore) "
