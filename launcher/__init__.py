@@ -54,7 +54,7 @@ __all__ = [
 _LAZY = {
     "launch": "driver.launch",
     "LaunchResult": "driver.launch",
-    "RankInfo": "driver.gang",
+    "RankInfo": "driver.handle",
     "RankGang": "driver.gang",
     "RankGroup": "driver.group",
 }

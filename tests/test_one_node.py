@@ -460,8 +460,10 @@ def test_a_process_still_exiting_after_the_grace_is_killed_and_named(tmp_path, c
 STOP_PROBE = """
 import os, signal, sys, time
 out, rank = sys.argv[1], int(os.environ["RANK"])
-if rank == 1:
-    time.sleep(1)
+if rank == 1:  # fails once rank 0 is ready for the SIGTERM that follows (its handler installed)
+    deadline = time.time() + 60
+    while not os.path.exists(os.path.join(out, "pid")) and time.time() < deadline:
+        time.sleep(0.1)
     raise SystemExit(3)
 if len(sys.argv) > 2:  # a handler of its own, as Megatron-Bridge's checkpoint-on-SIGTERM
     def handler(signum, frame):

@@ -20,24 +20,13 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _runtime_nodes(tree: ast.AST) -> list[ast.AST]:
-    """Every node, less those under `if TYPE_CHECKING:` (imports for annotations only)."""
-    typing_only = {
-        id(inner)
-        for node in ast.walk(tree)
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
-        for stmt in node.body
-        for inner in ast.walk(stmt)
-    }
-    return [node for node in ast.walk(tree) if id(node) not in typing_only]
-
-
 def _imports(path: Path) -> set[str]:
-    """Modules of this package that `path` imports when it runs, at module level or in functions."""
+    """Modules of this package that `path` imports: at module level, in functions, and for annotations
+    only (`if TYPE_CHECKING:`), which is a cycle all the same to a reader."""
     here = _module_name(path).split(".")
     package = here if path.name == "__init__.py" else here[:-1]
     found: set[str] = set()
-    for node in _runtime_nodes(ast.parse(path.read_text())):
+    for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, ast.Import):
             found.update(a.name for a in node.names if a.name.startswith("launcher"))
         elif isinstance(node, ast.ImportFrom):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from enum import StrEnum
 
 
 class MegarayError(Exception):
@@ -46,6 +47,16 @@ class Interrupted(MegarayError):
         return (Interrupted, (self.signum, self.name))
 
 
+class FailureKind(StrEnum):
+    """How a rank failed. A str, so it reads and is written (JSON, logs) as its value."""
+
+    EXCEPTION = "exception"  # the program raised
+    EXIT = "exit"  # sys.exit with a non-zero code
+    DIED = "died"  # its process or its node is gone (a signal, the OOM killer, a crash at exit)
+    HUNG = "hung"  # no progress, and its process stopped or stuck in the kernel
+    WAITING = "waiting"  # no progress, its process running (waiting on a peer, most likely)
+
+
 @dataclass(frozen=True)
 class RankFailure:
     """What one rank's failure looked like from the driver."""
@@ -54,9 +65,7 @@ class RankFailure:
     node_ip: str
     hostname: str
     gpu: str
-    kind: (
-        str  # "exception" (raised), "exit" (sys.exit != 0), "died" (process or node gone), "hung", "waiting"
-    )
+    kind: FailureKind
     summary: str
     traceback: str = ""
     exit_code: int | None = None
@@ -66,9 +75,12 @@ class RankFailure:
     pid: int | None = None  # the rank's process
     error_file: str = ""  # where the program recorded its error (torch elastic's @record), if it did
 
+    def __post_init__(self):
+        object.__setattr__(self, "kind", FailureKind(self.kind))  # a value outside the enum fails here
+
 
 # A dead process, then a stuck one (stopped, in a hang), before ranks that merely raised or waited.
-_ROOT_ORDER = {"died": 0, "hung": 1}
+_ROOT_ORDER = {FailureKind.DIED: 0, FailureKind.HUNG: 1}
 
 
 class RankFailedError(MegarayError):

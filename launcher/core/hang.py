@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from .errors import RankFailure
+from .errors import FailureKind, RankFailure
 
 _STATES = {
     "R": "running",
@@ -52,8 +52,8 @@ def hang_failures(
         failures.append(
             RankFailure(
                 rank=r["rank"], node_ip=r["node_ip"], hostname=r["hostname"], gpu=r["gpu"],
-                kind="hung" if stuck else "waiting", summary=summary, traceback=info.get("stack") or "",
-                at=now,
+                kind=FailureKind.HUNG if stuck else FailureKind.WAITING, summary=summary,
+                traceback=info.get("stack") or "", at=now,
             )
         )  # fmt: skip
     return failures

@@ -13,19 +13,17 @@ import time
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import ray
 
 from ..core.deaths import death_cause, describe_death, ray_teardown_crash, readable_tail
-from ..core.errors import RankFailedError, RankFailure
+from ..core.errors import FailureKind, RankFailedError, RankFailure
 from ..core.topology import RankReport, format_rank_ranges
 from ..rank.spool import exit_and_ship, exit_mark, ship, spool_name
 from .actors import first_line, on_node, wait_all
+from .handle import RankHandle
 from .supervise import StopSignal
-
-if TYPE_CHECKING:
-    from .gang import RankHandle
 
 log = logging.getLogger("megaray")
 
@@ -127,7 +125,8 @@ def crash_on_exit(h: RankHandle, tail: list[str] | tuple[str, ...], at: float) -
     """The failure of a rank whose program returned and whose process then died on its way out."""
     cause = death_cause(tail, None) or "it ended without finishing its exit"
     return RankFailure(
-        rank=h.slot.rank, node_ip=h.slot.node_ip, hostname=h.report.hostname, gpu=h.info.gpu, kind="died",
+        rank=h.slot.rank, node_ip=h.slot.node_ip, hostname=h.report.hostname, gpu=h.info.gpu,
+        kind=FailureKind.DIED,
         summary=f"after the program returned, on its way out (exit handlers, threads): {cause}",
         at=at, last_output=readable_tail(tail), local_rank=h.slot.local_rank, pid=h.report.pid,
     )  # fmt: skip
@@ -192,7 +191,7 @@ def last_words(
     amended = []
     for f in error.failures:
         ref = salvaging.get(f.rank)
-        if f.kind != "died" or ref is None:
+        if f.kind is not FailureKind.DIED or ref is None:
             amended.append(f)
             continue
         try:

@@ -11,13 +11,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from dataclasses import dataclass
 from typing import Any
 
 import ray
 
 from ..core.errors import (
     ClusterError,
+    FailureKind,
     Interrupted,
     MegarayError,
     RankFailedError,
@@ -40,6 +40,7 @@ from . import placement, ports
 from .actors import first_line, kill_actors, start_rank_actor, wait_all
 from .cluster import check_versions
 from .endings import died, exit_gracefully, inspect_hang, last_words, salvage, spool_path
+from .handle import RankHandle, RankInfo, failure_site
 from .links import check_rendezvous
 from .spares import SparePool, SparesUnusable
 from .supervise import StopSignal
@@ -47,44 +48,6 @@ from .supervise import StopSignal
 log = logging.getLogger("megaray")
 
 ACTOR_START_TIMEOUT_S = 300.0  # covers runtime-env set-up and image pulls on first use of a node
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    """Where a rank ran, as `LaunchResult.ranks` and `topology.json` show it."""
-
-    rank: int
-    local_rank: int
-    node_rank: int
-    node_ip: str
-    hostname: str
-    gpu: str
-    pid: int
-
-
-@dataclass(frozen=True)
-class RankHandle:
-    """Everything the driver knows about one rank: its slot, its actor, what the actor reported, the
-    env it was given, and the process it replaced (a warm spare taking over)."""
-
-    slot: RankSlot
-    actor: Any
-    report: RankReport
-    env: EnvDecision
-    replaces_pid: int | None = None
-    spool: str | None = None  # the file on its node its output goes through (rank/spool.py)
-
-    @property
-    def info(self) -> RankInfo:
-        s, r = self.slot, self.report
-        return RankInfo(s.rank, s.local_rank, s.node_rank, s.node_ip, r.hostname, ",".join(r.gpu_ids), r.pid)
-
-
-def _where(h: RankHandle) -> dict[str, Any]:
-    """What a RankFailure says of where the rank ran."""
-    s, r = h.slot, h.report
-    return {"rank": s.rank, "node_ip": s.node_ip, "hostname": r.hostname, "gpu": h.info.gpu,
-            "local_rank": s.local_rank, "pid": r.pid}  # fmt: skip
 
 
 class RankGang:
@@ -282,24 +245,24 @@ class RankGang:
     def outcome(self, ref: Any, rank: int) -> tuple[bool, Any]:
         """(True, what the rank returned) or (False, its RankFailure)."""
         h = self.handles[rank]
-        where = _where(h)
+        where = failure_site(h)
         try:
             out = ray.get(ref)
         except ray.exceptions.RayActorError as e:
             summary = died(h, self.handles, str(e), self.lost)
             if not self.lost[h.report.node_id]:
                 self.salvaging[rank] = salvage(h, self.sink)
-            return False, RankFailure(**where, kind="died", summary=summary, at=time.time())
+            return False, RankFailure(**where, kind=FailureKind.DIED, summary=summary, at=time.time())
         except ray.exceptions.RayError as e:
             return False, RankFailure(
-                **where, kind="exception", summary=first_line(e), traceback=str(e), at=time.time()
+                **where, kind=FailureKind.EXCEPTION, summary=first_line(e), traceback=str(e), at=time.time()
             )
-        if out["ok"]:
-            self.lingering[rank] = out.get("lingering", [])
-            return True, out["value"]
+        if out.ok:
+            self.lingering[rank] = list(out.lingering)
+            return True, out.value
         return False, RankFailure(
-            **where, kind=out["kind"], summary=out["summary"], traceback=out["traceback"],
-            exit_code=out["exit_code"], at=out["at"], error_file=out.get("error_file", ""),
+            **where, kind=out.kind, summary=out.summary, traceback=out.traceback, exit_code=out.exit_code,
+            at=out.at, error_file=out.error_file,
         )  # fmt: skip
 
     def inspect_hang(self, idle_s: float) -> list[RankFailure]:

@@ -19,7 +19,8 @@ from ..core.rankenv import check_user_env, forwarded_env
 from ..core.spec import DEFAULT_PLACEMENT_TIMEOUT_S, LaunchSpec, default_job_name
 from ..core.target import GROUP_TARGET
 from .cluster import connect
-from .gang import RankGang, RankInfo
+from .gang import RankGang
+from .handle import RankInfo
 from .supervise import StopSignal, supervise
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from ..core.errors import Interrupted, MegarayError, RankFailedError
+from ..core.outcome import RunOutcome, RunStatus
 from ..core.profiles import load_profile
 from ..core.progress import TrainingFacts
 from ..core.rankenv import redact
@@ -27,7 +28,8 @@ from ..core.spec import LaunchSpec
 from ..core.target import Target, TargetKind, check_target_locally
 from ..megatron.preflight import preflight
 from .cluster import Cluster, connect
-from .gang import RankGang, RankInfo
+from .gang import RankGang
+from .handle import RankInfo
 from .progress_view import ProgressView
 from .relay import OutputRelay
 from .rundir import RunDir, runs_root
@@ -75,7 +77,7 @@ def _launch(spec: LaunchSpec) -> LaunchResult:
     progress = ProgressView(plan.facts if plan else TrainingFacts(), spec.world_size, spec.peak_tflops)
     restarts: list[dict[str, Any]] = []
     attempts: list[Attempt] = []
-    outcome: dict[str, Any] = {"status": "failed", "exit_code": 1, "root_cause": None}
+    outcome = RunOutcome(RunStatus.FAILED, 1)
     run: RunDir | None = None  # made once connected: a launch that never reached a cluster left nothing
     try:
         # After connecting: ray.init installs its own fatal-signal handler for SIGTERM, which would
@@ -104,30 +106,30 @@ def _launch(spec: LaunchSpec) -> LaunchResult:
                 from .pool import refill
 
                 refill()
-        outcome = {"status": "succeeded", "exit_code": 0, "root_cause": None}
+        outcome = RunOutcome(RunStatus.SUCCEEDED, 0)
         return result
     except RankFailedError as e:
         e.ending = "Every other rank was stopped and the placement groups were removed."
-        outcome = {"status": "failed", "exit_code": e.exit_code, "root_cause": str(e), "failures": e.failures}
+        outcome = RunOutcome(RunStatus.FAILED, e.exit_code, str(e), e.failures)
         raise
     except Interrupted as e:
-        outcome = {"status": "interrupted", "exit_code": e.exit_code, "root_cause": str(e)}
+        outcome = RunOutcome(RunStatus.INTERRUPTED, e.exit_code, str(e))
         raise
     except KeyboardInterrupt:
-        outcome = {"status": "interrupted", "exit_code": 130, "root_cause": "interrupted by SIGINT"}
+        outcome = RunOutcome(RunStatus.INTERRUPTED, 130, "interrupted by SIGINT")
         raise
     except MegarayError as e:
-        outcome = {"status": "error", "exit_code": e.exit_code, "root_cause": str(e)}
+        outcome = RunOutcome(RunStatus.ERROR, e.exit_code, str(e))
         raise
     except BaseException as e:
-        outcome = {"status": "error", "exit_code": 1, "root_cause": f"{type(e).__name__}: {e}"}
+        outcome = RunOutcome(RunStatus.ERROR, 1, f"{type(e).__name__}: {e}")
         raise
     finally:
         if run is not None:
             run.write_summary(
                 job=spec.job_name,
                 world_size=spec.world_size,
-                **outcome,
+                **outcome.summary(),
                 restarts=restarts,
                 timings=attempts[-1].gang.timings if attempts else {},
                 progress={**progress.stats, "first_report_at": progress.first_at} if progress.stats else {},

@@ -17,13 +17,15 @@ import sys
 import threading
 import time
 import traceback
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import ray
 
 from ..core.errorfile import RecordedError, parse_error_file
-from ..core.errors import ClusterError
+from ..core.errors import ClusterError, FailureKind
+from ..core.outcome import RankOutcome
 from ..core.rankenv import NODE_DEFAULTS
 from ..core.refs import load_function, split_ref
 from ..core.target import Target, TargetKind
@@ -191,35 +193,34 @@ class RankActor:
             self.capture = Capture(sink, self.rank, spool)
         return dict(os.environ)
 
-    def run(self, target: Target, cwd: str) -> dict[str, Any]:
+    def run(self, target: Target, cwd: str) -> RankOutcome:
         """Run the target to completion; a failure comes back as data with its traceback. A program
         that returns while non-daemon threads run or with atexit handlers registered is reported as
         lingering: its process must end on its own, as a Python process does, not be killed."""
         result = self.call(run_target, (target, cwd), {})
-        if result["ok"]:
+        if result.ok:
             if self.capture is not None:
                 self.capture.end_control()
-            result["lingering"] = lingering(self.atexit_before)
+            result = replace(result, lingering=tuple(lingering(self.atexit_before)))
         return result
 
-    def call(self, fn, args: tuple, kwargs: dict) -> dict[str, Any]:
+    def call(self, fn, args: tuple, kwargs: dict) -> RankOutcome:
         """Run `fn(*args, **kwargs)` here (a rank group's method call), failures as data."""
         try:
-            value = fn(*args, **kwargs)
-            return {"ok": True, "value": value}
+            return RankOutcome(ok=True, value=fn(*args, **kwargs))
         except SystemExit as e:
             if e.code in (None, 0):
-                return {"ok": True, "value": None}
+                return RankOutcome(ok=True)
             code = e.code if isinstance(e.code, int) else 1
             what = f"exited with code {code}" + ("" if isinstance(e.code, int) else f": {e.code}")
-            return _failure("exit", what, e, code, self.error_file)
+            return _failure(FailureKind.EXIT, what, e, code, self.error_file)
         except BaseException as e:
             # as Python prints an exception that ends a program (with exit code 1): the rank's log
             # keeps it too
             with contextlib.suppress(OSError, ValueError):
                 print(user_traceback(e), end="", file=sys.stderr, flush=True)
             summary = f"{type(e).__name__}: {e}".strip().splitlines()[0]
-            return _failure("exception", summary, e, 1, self.error_file)
+            return _failure(FailureKind.EXCEPTION, summary, e, 1, self.error_file)
         finally:
             flush_streams()
             if self.capture is not None:
@@ -238,20 +239,20 @@ def lingering(atexit_before: int) -> list[str]:
 
 
 def _failure(
-    kind: str, summary: str, exc: BaseException, exit_code: int, error_file: str | None
-) -> dict[str, Any]:
+    kind: FailureKind, summary: str, exc: BaseException, exit_code: int, error_file: str | None
+) -> RankOutcome:
     """A failed run as data. Where the program recorded its error (torch elastic's `@record` writes
     TORCHELASTIC_ERROR_FILE), its message and traceback are the ones reported, as under torchrun."""
     recorded = _recorded(error_file)
-    return {
-        "ok": False,
-        "kind": kind,
-        "summary": recorded.message.splitlines()[0] if recorded and recorded.message else summary,
-        "traceback": recorded.traceback if recorded and recorded.traceback else user_traceback(exc),
-        "exit_code": exit_code,
-        "at": time.time(),
-        "error_file": error_file if recorded else "",
-    }
+    return RankOutcome(
+        ok=False,
+        kind=kind,
+        summary=recorded.message.splitlines()[0] if recorded and recorded.message else summary,
+        traceback=recorded.traceback if recorded and recorded.traceback else user_traceback(exc),
+        exit_code=exit_code,
+        at=time.time(),
+        error_file=error_file if recorded else "",
+    )
 
 
 def _recorded(error_file: str | None) -> RecordedError | None:
