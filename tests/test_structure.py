@@ -92,3 +92,23 @@ def test_modules_and_classes_stay_readable():
             if isinstance(node, ast.ClassDef) and (n := node.end_lineno - node.lineno + 1) > MAX_CLASS_LINES:
                 too_long.append(f"{path.relative_to(REPO)}: class {node.name} {n} lines")
     assert not too_long, too_long
+
+
+def test_rays_private_apis_are_called_from_one_module():
+    """driver/rayprivate.py says why each is needed; a Ray upgrade that moves one breaks there only."""
+    private = ("ray._private", "ray._raylet", "ray.experimental.internal_kv")
+    callers = []
+    for path in PKG.rglob("*.py"):
+        if path.name == "rayprivate.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]  # ray.experimental
+            elif isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+                names = [f"{node.value.id}.{node.attr}"]  # ray._private.state.jobs()
+            if any(n == p or n.startswith(p + ".") for n in names for p in private):
+                callers.append(f"{path.relative_to(REPO)}:{node.lineno}")
+    assert not callers, callers

@@ -67,11 +67,10 @@ def _client(address: str | None):
 def _check_last_cluster() -> None:
     """With no address, Ray's job client asks the cluster last started on this machine (the file
     `ray start` leaves in Ray's temp dir), and waits 30 s and more for one that has gone away."""
-    from ray._private.utils import read_ray_address
-
+    from ..driver import rayprivate
     from ..driver.reach import check_reachable
 
-    last = read_ray_address()
+    last = rayprivate.last_cluster_address()
     if not last:
         raise UsageError(
             "no cluster given: pass --address http://HEAD:8265 (the dashboard) or set RAY_ADDRESS"

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from ..core.errors import ClusterError
 from ..core.raytoken import find_token
+from . import rayprivate
 from .reach import GcsAnswer, ask_gcs
 
 log = logging.getLogger("megaray")
@@ -52,14 +53,12 @@ def token_mode(address: str, first: GcsAnswer | None = None, announce: bool = Tr
     if os.environ.get("RAY_AUTH_MODE") == "token":
         yield
         return
-    from ray._raylet import Config
-
     if announce:
         log.info("the cluster at %s uses token authentication: sending the token from %s", address, source)
     os.environ["RAY_AUTH_MODE"] = "token"
-    Config.initialize("")  # Ray read the mode when imported: as `ray start` does, have it read again
+    rayprivate.reload_config()  # Ray read the mode when imported: as `ray start` does, have it read again
     try:
         yield
     finally:
         os.environ.pop("RAY_AUTH_MODE", None)
-        Config.initialize("")
+        rayprivate.reload_config()

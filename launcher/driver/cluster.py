@@ -19,7 +19,7 @@ from ..core.spec import RAY_NAMESPACE, LaunchSpec
 from ..core.target import TargetKind
 from ..core.topology import RankReport, local_ranks_problem
 from ..core.versions import python_version
-from . import ends_with_command, up
+from . import ends_with_command, rayprivate, up
 from .auth import AUTH_HINT, token_mode
 from .nodeenv import node_environment
 from .reach import check_reachable
@@ -189,9 +189,7 @@ def quiet_raylet(on: bool) -> None:
     of a launch we connected for: the failure report names the rank, its host, its signal and its last
     output, and those paragraphs would bury it (Ray prints them even with log_to_driver off). The
     switch is the one Ray's own debugger uses to quiet worker output."""
-    import ray._private.worker as ray_worker
-
-    ray_worker._worker_logs_enabled = not on
+    rayprivate.show_worker_logs(not on)
 
 
 def _simulate(spec: LaunchSpec):

@@ -19,6 +19,7 @@ from ray.util.placement_group import (
 from ..core.errors import ResourceError, UsageError
 from ..core.spec import LaunchSpec
 from ..core.topology import NodeSlot
+from . import rayprivate
 from .actors import wait_all
 from .supervise import StopSignal
 
@@ -51,8 +52,8 @@ def describe_request(spec: LaunchSpec) -> str:
 
 def describe_nodes() -> str:
     """What each live node has, free and total, for the resource error."""
-    total = ray._private.state.total_resources_per_node()
-    free = ray._private.state.available_resources_per_node()
+    total = rayprivate.total_resources_per_node()
+    free = rayprivate.available_resources_per_node()
     ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
     parts = []
     for node_id, res in sorted(total.items(), key=lambda kv: ips.get(kv[0], "")):
@@ -64,7 +65,7 @@ def describe_nodes() -> str:
 
 def feasibility_problem(spec: LaunchSpec) -> str | None:
     """A message when the cluster as it stands could never hold the layout, else None."""
-    fit = nodes_that_fit(ray._private.state.total_resources_per_node(), bundle_for(spec), spec.gpus_per_node)
+    fit = nodes_that_fit(rayprivate.total_resources_per_node(), bundle_for(spec), spec.gpus_per_node)
     if fit >= spec.nodes:
         return None
     return f"only {fit} node(s) of the cluster can hold one group"
@@ -136,10 +137,8 @@ def without_autoscaler(status: Mapping | None) -> bool | None:
 def cluster_cannot_grow() -> bool:
     import json
 
-    from ray.experimental.internal_kv import _internal_kv_get
-
     try:
-        raw = _internal_kv_get("__autoscaling_status")
+        raw = rayprivate.autoscaling_status()
         return bool(without_autoscaler(json.loads(raw) if raw else None))
     except Exception:  # no status, or one this Ray writes differently: assume it can grow
         return False

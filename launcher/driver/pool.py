@@ -30,7 +30,7 @@ from ..core.errors import UsageError
 from ..core.spec import LaunchSpec
 from ..core.target import DRY_RUN_TARGET
 from ..core.topology import RankReport, RankSlot, assign_ranks, order_nodes
-from . import placement
+from . import placement, rayprivate
 from .actors import first_line, start_rank_actor, wait_all
 from .cluster import NAMESPACE
 from .spares import warm_steps
@@ -83,15 +83,9 @@ class PoolLayout:
         ) and spec.cpus_per_rank <= self.cpus_per_rank  # fmt: skip
 
 
-def _kv():
-    from ray.experimental import internal_kv
-
-    return internal_kv
-
-
 def recorded() -> PoolLayout | None:
     """The connected cluster's pool, if one was asked for there (and not dropped)."""
-    raw = _kv()._internal_kv_get(POOL, namespace=NAMESPACE)
+    raw = rayprivate.kv_get(POOL, namespace=NAMESPACE)
     return PoolLayout(**json.loads(raw)) if raw else None
 
 
@@ -100,7 +94,7 @@ def keep(layout: PoolLayout) -> None:
     old = recorded()
     if old is not None and old != layout:
         give_back(old)
-    _kv()._internal_kv_put(POOL, json.dumps(asdict(layout)), overwrite=True, namespace=NAMESPACE)
+    rayprivate.kv_put(POOL, json.dumps(asdict(layout)), overwrite=True, namespace=NAMESPACE)
     if len(_groups(layout)) < layout.nodes:
         give_back(layout)  # a part left of an earlier one
         fill(layout, wait=True)
@@ -111,7 +105,7 @@ def drop() -> PoolLayout | None:
     layout = recorded()
     if layout is not None:
         give_back(layout)
-        _kv()._internal_kv_del(POOL, namespace=NAMESPACE)
+        rayprivate.kv_del(POOL, namespace=NAMESPACE)
     return layout
 
 
@@ -130,7 +124,7 @@ def fill(layout: PoolLayout, wait: bool) -> None:
     else:  # a refill at the end of a launch: one group has no node to keep apart from, so it is not
         # waited for (the raylet frees the launch's bundles a moment after), and the command ends now
         groups = placement.create_groups(spec, POOL, detached=True)
-    _kv()._internal_kv_del(TAKEN, namespace=NAMESPACE)  # a new pool, not taken yet
+    rayprivate.kv_del(TAKEN, namespace=NAMESPACE)  # a new pool, not taken yet
     # what ranks get, before torch loads; nothing when nothing is imported (setup gives the whole env)
     env = {"OMP_NUM_THREADS": "1"} if layout.gpus_per_node > 1 and layout.warm else {}
     imports = warm_steps(DRY_RUN_TARGET) if layout.warm else ()  # megatron's skipped if absent
@@ -198,7 +192,7 @@ def take(spec: LaunchSpec, stop: StopSignal, start_env: dict[str, str] | None = 
         return None
     if claim is not None and groups:  # its launch ended without giving it back (its driver was killed)
         give_back(layout)  # which stops what that launch's ranks still ran in it
-        _kv()._internal_kv_del(TAKEN, namespace=NAMESPACE)
+        rayprivate.kv_del(TAKEN, namespace=NAMESPACE)
         log.info(
             "the %s was taken by job %s, which ended without giving it back: given back (this launch "
             "starts cold and refills it)", layout.kind, claim.job,
@@ -233,14 +227,14 @@ def take(spec: LaunchSpec, stop: StopSignal, start_env: dict[str, str] | None = 
         )
         return None
     mine = Claim(spec.job_name, ray.get_runtime_context().get_job_id())
-    if _kv()._internal_kv_put(TAKEN, json.dumps(asdict(mine)), overwrite=False, namespace=NAMESPACE):
+    if rayprivate.kv_put(TAKEN, json.dumps(asdict(mine)), overwrite=False, namespace=NAMESPACE):
         other = _claim()
         log.info("the %s is in use by job %s: this launch starts cold", layout.kind, other and other.job)
         return None
     claims = [a.claim.remote(spec.job_name) for a in by_bundle.values()]
     try:
         if len(wait_all(claims, POOL_READY_S, stop)) < len(claims) or not all(ray.get(claims)):
-            _kv()._internal_kv_del(TAKEN, namespace=NAMESPACE)  # the next launch may find it ready
+            rayprivate.kv_del(TAKEN, namespace=NAMESPACE)  # the next launch may find it ready
             log.info(
                 "the %s is still starting, or another launch took it: this launch starts cold", layout.kind
             )
@@ -250,7 +244,7 @@ def take(spec: LaunchSpec, stop: StopSignal, start_env: dict[str, str] | None = 
         reports = ray.get([a.info.remote() for a in actors], timeout=POOL_READY_S)
     except (ray.exceptions.RayError, ValueError) as e:  # a process of it is gone: its node was lost
         give_back(layout)
-        _kv()._internal_kv_del(TAKEN, namespace=NAMESPACE)
+        rayprivate.kv_del(TAKEN, namespace=NAMESPACE)
         log.info(
             "the %s has lost a process (%s): given back, this launch starts cold",
             layout.kind, first_line(e),
@@ -321,16 +315,12 @@ class Claim:
     def ended(self) -> bool:
         if not self.ray_job:
             return False  # an older megaray's claim: its driver cannot be told; in use, as before
-        # Ray's job table says when a driver's job is dead (its connection to the raylet closed); no
-        # public API reads it without the dashboard, which `megaray up` does not start.
-        for entry in ray._private.state.jobs():
-            if entry["JobID"] == self.ray_job:
-                return bool(entry["IsDead"])
-        return True  # not a job of this cluster (any more)
+        dead = rayprivate.job_is_dead(self.ray_job)  # Ray's job table: its driver's connection closed
+        return True if dead is None else dead  # None: not a job of this cluster (any more)
 
 
 def _claim() -> Claim | None:
-    raw = _kv()._internal_kv_get(TAKEN, namespace=NAMESPACE)
+    raw = rayprivate.kv_get(TAKEN, namespace=NAMESPACE)
     try:
         return Claim(**json.loads(raw)) if raw else None
     except (ValueError, TypeError):  # written by an older megaray: the job's name only

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 
-from ray.experimental import internal_kv
+from . import rayprivate
 
 KV_NAMESPACE = "megaray"
 
@@ -22,9 +22,7 @@ def _key(node_ip: str, port: int) -> str:
 def reserve(node_ip: str, candidates: list[int], job: str) -> int | None:
     """The first candidate no other job has reserved on this node, now reserved for `job`."""
     for port in candidates:
-        existed = internal_kv._internal_kv_put(
-            _key(node_ip, port), job, overwrite=False, namespace=KV_NAMESPACE
-        )
+        existed = rayprivate.kv_put(_key(node_ip, port), job, overwrite=False, namespace=KV_NAMESPACE)
         if not existed:
             return port
     return None
@@ -32,4 +30,4 @@ def reserve(node_ip: str, candidates: list[int], job: str) -> int | None:
 
 def release(node_ip: str, port: int) -> None:
     with contextlib.suppress(Exception):  # the cluster is gone: nothing to release
-        internal_kv._internal_kv_del(_key(node_ip, port), namespace=KV_NAMESPACE)
+        rayprivate.kv_del(_key(node_ip, port), namespace=KV_NAMESPACE)

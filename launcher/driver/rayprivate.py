@@ -1,0 +1,84 @@
+"""Every call megaray makes into Ray's private or experimental APIs, in one place, each with the
+reason no public API serves (as megatron/compat.py does for Megatron). A Ray upgrade that moves one
+breaks here, and tests/test_structure.py keeps the rest of the package off them."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+# -- the GCS key-value store --------------------------------------------------------------------------
+# Shared state every driver of a cluster sees at once, with an atomic put-if-absent (a port
+# reserved, the pool's layout, who took the pool). Ray has no public key-value store; its own
+# libraries (Serve, Tune, the autoscaler) use this one.
+def kv_get(key: str, namespace: str | None = None) -> bytes | None:
+    from ray.experimental import internal_kv
+
+    return internal_kv._internal_kv_get(key, namespace=namespace)
+
+
+def kv_put(key: str, value: str, *, overwrite: bool, namespace: str) -> bool:
+    """Whether the key existed already (with overwrite=False, then nothing was written)."""
+    from ray.experimental import internal_kv
+
+    return bool(internal_kv._internal_kv_put(key, value, overwrite=overwrite, namespace=namespace))
+
+
+def kv_del(key: str, namespace: str) -> None:
+    from ray.experimental import internal_kv
+
+    internal_kv._internal_kv_del(key, namespace=namespace)
+
+
+def autoscaling_status() -> bytes | None:
+    """What the head's monitor writes of the autoscaler (to tell a cluster that cannot grow)."""
+    return kv_get("__autoscaling_status")
+
+
+# -- the GCS's tables ---------------------------------------------------------------------------------
+# Resources per node and the job table: `ray.available_resources()` sums the whole cluster, and the
+# state API (`ray.util.state`) needs the dashboard, which `megaray up` does not start.
+def total_resources_per_node() -> dict[str, dict[str, float]]:
+    import ray._private.state
+
+    return ray._private.state.total_resources_per_node()
+
+
+def available_resources_per_node() -> dict[str, dict[str, float]]:
+    import ray._private.state
+
+    return ray._private.state.available_resources_per_node()
+
+
+def job_is_dead(job_id_hex: str) -> bool | None:
+    """Whether the driver's job `job_id_hex` has ended (its connection closed); None: no such job."""
+    import ray._private.state
+
+    for entry in ray._private.state.jobs():
+        if entry["JobID"] == job_id_hex:
+            return bool(entry["IsDead"])
+    return None
+
+
+# -- the process's own Ray ----------------------------------------------------------------------------
+def reload_config() -> None:
+    """Have Ray read its settings from the environment again (RAY_AUTH_MODE): it reads them once, at
+    import; `ray start` turns token mode on the same way."""
+    from ray._raylet import Config
+
+    Config.initialize("")
+
+
+def show_worker_logs(on: bool) -> None:
+    """Ray's "(raylet) A worker died..." paragraphs on this driver's console; the switch Ray's own
+    debugger uses to quiet worker output (no public one)."""
+    import ray._private.worker as ray_worker
+
+    ray_worker._worker_logs_enabled = on
+
+
+def last_cluster_address() -> Any:
+    """The cluster `ray start` last started on this machine, as Ray's job client finds it."""
+    from ray._private.utils import read_ray_address
+
+    return read_ray_address()
