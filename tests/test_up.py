@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from launcher.driver.owned import session_members
+
 from .conftest import REPO
 from .test_process import PROBE as PROCESS_PROBE
 
@@ -388,7 +390,7 @@ def test_a_node_of_up_killed_leaves_launches_one_line_and_down_stops_the_rest(en
         # the node lost: its `ray start` and its raylet (the process group megaray started it in)
         os.killpg(second, signal.SIGKILL)
         deadline = time.monotonic() + 30  # its workers (the pool's process) end when they see it gone
-        while any(_in_session(pid, second) for pid in os.listdir("/proc") if pid.isdigit()):
+        while session_members(second, None):
             assert time.monotonic() < deadline
             time.sleep(0.2)
         t0 = time.monotonic()
@@ -401,12 +403,3 @@ def test_a_node_of_up_killed_leaves_launches_one_line_and_down_stops_the_rest(en
     finally:
         down = megaray(env, "down")
     assert down.returncode == 0 and processes_under(env["MEGARAY_STATE_DIR"]) == []
-
-
-def _in_session(pid: str, session: int) -> bool:
-    """Whether process `pid` runs (not a zombie) in `session`."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return fields[0] != "Z" and int(fields[3]) == session

@@ -22,11 +22,7 @@ def blas_threads(internal_api: str, environ: Mapping[str, str], cpus: int) -> in
     if names is None:
         return None
     for name in names:
-        value = environ.get(name, "").strip()
-        if value.isdigit() and int(value) > 0:
-            return int(value)
-        if value:  # OpenMP's list form ("4,2"): the first level's count
-            head = value.split(",")[0].strip()
-            if head.isdigit() and int(head) > 0:
-                return int(head)
+        head = environ.get(name, "").split(",")[0].strip()  # OpenMP's list form ("4,2"): the first level's
+        if head.isdigit() and int(head) > 0:
+            return int(head)
     return cpus

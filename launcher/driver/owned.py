@@ -10,31 +10,9 @@ session's members that started after its leader are the node's, whatever their c
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
-
-@dataclass(frozen=True)
-class Stat:
-    """What /proc/<pid>/stat says of a process that identifies it."""
-
-    pid: int
-    state: str
-    session: int
-    start_ticks: int  # when it started, in clock ticks after boot: a reused pid has a later one
-
-
-def stat(pid: int) -> Stat | None:
-    """None when there is no such process."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    try:  # the command name may hold spaces and parentheses: the fields follow the last ')'
-        fields = text[text.rindex(")") + 2 :].split()
-        return Stat(pid, fields[0], int(fields[3]), int(fields[19]))
-    except (ValueError, IndexError):
-        return None
+from ..rank.probes import Stat, stat
 
 
 def start_ticks(pid: int) -> int | None:
@@ -49,9 +27,9 @@ def is_still(pid: int, started: int | None) -> bool:
     return s is not None and s.state != "Z" and (started is None or s.start_ticks == started)
 
 
-def session_members(leader: int, started: int | None) -> list[int]:
+def session_members(leader: int, started: int | None) -> list[Stat]:
     """The running processes of the session `leader` started (itself included, while it runs),
-    that started no earlier than it did; nothing when `leader` is now another process."""
+    that started no earlier than it did, by pid; nothing when `leader` is now another process."""
     s = stat(leader)
     if s is not None and started is not None and s.start_ticks != started:
         return []  # the pid was reused: that session is someone else's
@@ -64,5 +42,5 @@ def session_members(leader: int, started: int | None) -> list[int]:
             continue
         if started is not None and m.start_ticks < started:
             continue
-        found.append(m.pid)
-    return sorted(found)
+        found.append(m)
+    return sorted(found, key=lambda m: m.pid)

@@ -295,8 +295,8 @@ def _sweep(nodes: list[tuple[int, int | None]], grace_s: float = 10.0) -> list[i
 def _left(nodes: list[tuple[int, int | None]]) -> list[tuple[int, int | None]]:
     me = os.getpid()
     return [
-        (pid, start_ticks(pid))
+        (m.pid, m.start_ticks)
         for leader, started in nodes
-        for pid in session_members(leader, started)
-        if pid != me
+        for m in session_members(leader, started)
+        if m.pid != me
     ]

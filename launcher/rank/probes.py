@@ -20,6 +20,7 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -29,13 +30,33 @@ def _py_spy() -> str | None:
     return here if os.access(here, os.X_OK) else shutil.which("py-spy")
 
 
+@dataclass(frozen=True)
+class Stat:
+    """What /proc/<pid>/stat says of a process that identifies it."""
+
+    pid: int
+    state: str  # R, S, T, Z, ...
+    session: int
+    start_ticks: int  # when it started, in clock ticks after boot: a reused pid has a later one
+
+
+def stat(pid: int) -> Stat | None:
+    """None when there is no such process."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    try:  # the command name may hold spaces and parentheses: the fields follow the last ')'
+        fields = text[text.rindex(")") + 2 :].split()
+        return Stat(pid, fields[0], int(fields[3]), int(fields[19]))
+    except (ValueError, IndexError):
+        return None
+
+
 def process_state(pid: int) -> str | None:
     """The state letter in /proc/<pid>/stat (R, S, T, Z, ...); None when there is no such process."""
-    try:
-        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115
-        return stat[stat.rindex(")") + 2]
-    except (OSError, ValueError, IndexError):
-        return None
+    s = stat(pid)
+    return s.state if s else None
 
 
 def inspect_process(pid: int) -> dict[str, Any]:

@@ -37,10 +37,8 @@ def warm(env: dict[str, str], steps: tuple[str, ...]) -> dict[str, Any]:
     os.environ.update(env)
     before = set(os.environ)
     # torch.cuda.is_available() through NVML, as a check at import must not create a CUDA context
-    # beside the running rank's on this GPU.
-    nvml_check = "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ
-    if nvml_check:
-        os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"
+    # beside the running rank's on this GPU (removed after with what the imports set).
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     t0 = time.monotonic()
     failed: dict[str, str] = {}
     try:
