@@ -53,7 +53,7 @@ __all__ = [
 
 _LAZY = {
     "launch": "driver.launch",
-    "LaunchResult": "driver.launch",
+    "LaunchResult": "driver.attempt",
     "RankInfo": "driver.handle",
     "RankGang": "driver.gang",
     "RankGroup": "driver.group",

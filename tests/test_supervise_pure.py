@@ -1,4 +1,4 @@
-"""Supervision and the restart loop against a fake gang and a fake clock: no Ray, no processes.
+"""Supervision against a fake gang and a fake clock: no Ray, no processes.
 
 The fake gang answers `wait` from a script of (seconds, rank, outcome) and moves the clock as the
 real wait would, so root-cause choice, hang timing, signals and restarts are tested in milliseconds.
@@ -11,7 +11,6 @@ import signal
 import pytest
 
 from launcher.core.errors import Interrupted, RankFailedError, RankFailure
-from launcher.driver.launch import run_attempts
 from launcher.driver.supervise import ROOT_CAUSE_WINDOW_S, STARTUP_GRACE_S, StopSignal, supervise
 
 
@@ -161,50 +160,3 @@ def test_a_signal_is_acted_on_once_so_the_teardown_waits_out_the_kill_grace():
         stop.receive(signal.SIGINT)  # a second Ctrl-C while stopping
     assert e.value.exit_code == 130
     stop.check()
-
-
-class FakeAttempt:
-    def __init__(self, number: int, spares, fails: bool, events: list, adopted: bool = False):
-        self.number, self.spares_in, self.fails, self.events = number, spares, fails, events
-        self.adopted = adopted
-
-    def execute(self):
-        self.events.append(("execute", self.number, self.spares_in))
-        if self.fails:
-            raise RankFailedError([failure(1, "died", at=float(self.number))], 2)
-        return f"result of attempt {self.number}"
-
-    def hand_over(self):
-        self.events.append(("hand_over", self.number))
-        return f"spares of attempt {self.number}"
-
-    def teardown(self):
-        self.events.append(("teardown", self.number))
-
-
-def test_restarts_hand_the_spares_over_before_teardown_and_record_each_restart(capsys):
-    events: list = []
-    restarts: list = []
-
-    def new_attempt(k, spares):
-        return FakeAttempt(k, spares, fails=k < 2, events=events, adopted=spares is not None)
-
-    assert run_attempts(2, new_attempt, restarts, 60.0) == "result of attempt 2"
-    assert events == [
-        ("execute", 0, None), ("hand_over", 0), ("teardown", 0),
-        ("execute", 1, "spares of attempt 0"), ("hand_over", 1), ("teardown", 1),
-        ("execute", 2, "spares of attempt 1"), ("teardown", 2),
-    ]  # fmt: skip
-    assert [(r["attempt"], r["warm_spares"]) for r in restarts] == [(1, True), (2, True)]
-    assert all("rank 1 on 10.0.0.1 (h) failed" in r["cause"] for r in restarts)
-    assert capsys.readouterr().err.count("Root cause (first failure):") == 2  # each failure's report
-
-
-def test_the_last_failure_is_raised_once_restarts_run_out():
-    events: list = []
-    restarts: list = []
-    with pytest.raises(RankFailedError) as e:
-        run_attempts(1, lambda k, s: FakeAttempt(k, s, fails=True, events=events), restarts, 60.0)
-    assert e.value.root.at == 1.0  # attempt 1's failure
-    assert [ev for ev in events if ev[0] == "teardown"] == [("teardown", 0), ("teardown", 1)]
-    assert ("hand_over", 1) not in events and len(restarts) == 1

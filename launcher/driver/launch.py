@@ -1,55 +1,35 @@
-"""A launch from start to end: preflight, connect, run attempts until one succeeds or restarts run out,
-and record it all in the run directory.
-
-An attempt is a rank gang (driver/gang.py) with its output relay (driver/relay.py) and, while
-restarts are left, the warm spares of the next attempt (driver/spares.py), watched by
-`supervise()` (driver/supervise.py). Every exit path tears the attempt down: every actor killed,
-every placement group removed (unless handed to the next attempt with its spares).
+"""A launch from start to end, read top-down: preflight, connect, then the controller
+(driver/controller.py) steps through the states of each attempt (driver/attempt.py) until one
+succeeds or the failure policy gives up; the run directory records it all, however it ends.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import signal
-import sys
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from dataclasses import replace
+from typing import Any
 
-from ..core.errors import Interrupted, MegarayError, RankFailedError
-from ..core.outcome import RunOutcome, RunStatus
+from ..core.errors import Interrupted
+from ..core.outcome import run_outcome
+from ..core.policy import FailurePolicy
 from ..core.profiles import load_profile
 from ..core.progress import TrainingFacts
-from ..core.rankenv import redact
 from ..core.spec import LaunchSpec
 from ..core.target import Target, TargetKind, check_target_locally
 from ..megatron.preflight import preflight
-from .cluster import Cluster, connect
-from .gang import RankGang
-from .handle import RankInfo
+from .attempt import Attempt, LaunchResult
+from .cluster import connect
+from .controller import Controller
 from .progress_view import ProgressView
-from .relay import OutputRelay
 from .rundir import RunDir, runs_root
 from .spares import SparePool
-from .supervise import StopSignal, supervise
+from .supervise import StopSignal
 
 log = logging.getLogger("megaray")
 
-SPARES_AFTER_S = 30.0  # spares start at the first progress report, or this long after the ranks
-
-
-@dataclass(frozen=True)
-class LaunchResult:
-    job_name: str
-    world_size: int
-    master_addr: str
-    master_port: int
-    ranks: tuple[RankInfo, ...]
-    returns: tuple[Any, ...]  # what each rank's target returned, by rank
-    timings: dict[str, float] = field(default_factory=dict)
+__all__ = ["LaunchResult", "launch"]
 
 
 def launch(spec: LaunchSpec) -> LaunchResult:
@@ -75,10 +55,9 @@ def _launch(spec: LaunchSpec) -> LaunchResult:
     runs_root(spec.run_dir)  # bad input, said before connecting
     stop = StopSignal()
     progress = ProgressView(plan.facts if plan else TrainingFacts(), spec.world_size, spec.peak_tflops)
-    restarts: list[dict[str, Any]] = []
-    attempts: list[Attempt] = []
-    outcome = RunOutcome(RunStatus.FAILED, 1)
+    controller: Controller | None = None
     run: RunDir | None = None  # made once connected: a launch that never reached a cluster left nothing
+    error: BaseException | None = None
     try:
         # After connecting: ray.init installs its own fatal-signal handler for SIGTERM, which would
         # end the driver without teardown.
@@ -94,204 +73,41 @@ def _launch(spec: LaunchSpec) -> LaunchResult:
 
             def new_attempt(k: int, spares: SparePool | None) -> Attempt:
                 target = first_target if k == 0 else resume_target(first_target, plan)
-                attempt = Attempt(
-                    replace(spec, target=target), k, cluster, profile, stop, run, progress, spares
-                )
-                attempts.append(attempt)
-                return attempt
+                return Attempt(replace(spec, target=target), k, cluster, profile, stop, run, progress, spares)
 
+            controller = Controller(
+                FailurePolicy(spec.max_restarts), new_attempt, placement_timeout_s=spec.placement_timeout_s
+            )
             try:
-                result = run_attempts(spec.max_restarts, new_attempt, restarts, spec.placement_timeout_s)
+                return controller.run()
             finally:
                 from .pool import refill
 
                 refill()
-        outcome = RunOutcome(RunStatus.SUCCEEDED, 0)
-        return result
-    except RankFailedError as e:
-        e.ending = "Every other rank was stopped and the placement groups were removed."
-        outcome = RunOutcome(RunStatus.FAILED, e.exit_code, str(e), e.failures)
-        raise
-    except Interrupted as e:
-        outcome = RunOutcome(RunStatus.INTERRUPTED, e.exit_code, str(e))
-        raise
-    except KeyboardInterrupt:
-        outcome = RunOutcome(RunStatus.INTERRUPTED, 130, "interrupted by SIGINT")
-        raise
-    except MegarayError as e:
-        outcome = RunOutcome(RunStatus.ERROR, e.exit_code, str(e))
-        raise
     except BaseException as e:
-        outcome = RunOutcome(RunStatus.ERROR, 1, f"{type(e).__name__}: {e}")
+        error = e
         raise
     finally:
         if run is not None:
-            run.write_summary(
-                job=spec.job_name,
-                world_size=spec.world_size,
-                **outcome.summary(),
-                restarts=restarts,
-                timings=attempts[-1].gang.timings if attempts else {},
-                progress={**progress.stats, "first_report_at": progress.first_at} if progress.stats else {},
-            )
-            log.info("run directory: %s", run.path)
+            _record(run, spec, error, controller, progress)
 
 
-class AttemptLike(Protocol):
-    adopted: bool
-
-    def execute(self) -> Any: ...
-
-    def hand_over(self) -> Any: ...
-
-    def teardown(self) -> None: ...
-
-
-def run_attempts(
-    max_restarts: int,
-    new_attempt: Callable[[int, Any], AttemptLike],
-    restarts: list[dict[str, Any]],
-    placement_timeout_s: float,
-) -> Any:
-    """Attempt 0, then after each rank failure another, up to `max_restarts` more, as torchrun's
-    --max-restarts: each restart prints the failure report, is logged with its cause and recorded in
-    `restarts` (with whether warm spares took it over). The failed attempt hands its spares (and
-    their placement groups) to the next one before it is torn down."""
-    k, spares = 0, None
-    while True:
-        number = k
-        attempt, spares = new_attempt(number, spares), None
-        try:
-            return attempt.execute()
-        except RankFailedError as e:
-            if number >= max_restarts:
-                raise
-            failed = e
-            spares = attempt.hand_over()
-        finally:
-            attempt.teardown()  # a dead rank's last output reaches its failure here
-            if number:
-                restarts[number - 1]["warm_spares"] = attempt.adopted
-        k = number + 1
-        failed.ending = "Every other rank was stopped; the whole group is relaunched (see below)."
-        print(failed.report(), file=sys.stderr, flush=True)
-        restarts.append({"attempt": k, "cause": str(failed), "at": time.time()})
-        how = f"waiting up to {placement_timeout_s:g}s for the layout to fit"
-        how = "on the warm spares" if spares else how
-        log.warning("restart %d of %d after: %s; relaunching every rank (%s)", k, max_restarts, failed, how)
-
-
-class Attempt:
-    """One run of every rank: a gang, its output relay, and the next attempt's warm spares."""
-
-    def __init__(
-        self,
-        spec: LaunchSpec,
-        number: int,
-        cluster: Cluster,
-        profile: dict[str, str],
-        stop: StopSignal,
-        run: RunDir,
-        progress: ProgressView,
-        spares_in: SparePool | None,
-    ):
-        self.spec, self.number, self.stop, self.run, self.progress = spec, number, stop, run, progress
-        name = spec.job_name if number == 0 else f"{spec.job_name}-a{number}"
-        self.gang = RankGang(
-            spec, stop, profile=profile, name=name, attempt=number, fixed_size=cluster.fixed_size
-        )
-        self.spares_in = spares_in  # given by the failed attempt, until adopted or discarded
-        self.spares_out: SparePool | None = None  # started for the next attempt
-        self.handed_over = False
-        self.relay: OutputRelay | None = None
-        self.refs: list = []  # each rank's run, by rank
-        self.succeeded = False
-        self.failure: RankFailedError | None = None
-
-    @property
-    def adopted(self) -> bool:
-        return self.gang.adopted
-
-    def execute(self) -> LaunchResult:
-        spec, gang = self.spec, self.gang
-        spares_in, self.spares_in = self.spares_in, None
-        gang.place(spares_in)
-        self.relay = OutputRelay(
-            f"{gang.name}-output",
-            self.run.path,
-            [s.node_rank for s in gang.slots],
-            spec.console_ranks,
-            self.progress,
-            started=gang.pool_sink,
-        )
-        envs = gang.start(self.relay.sink)
-        self.run.write_topology(gang.master, [dataclasses.asdict(r) for r in gang.ranks])
-        self.run.write_env(
-            [
-                {"rank": h.slot.rank, "set_by_megaray": redact(h.env.to_set), "notes": h.env.notes,
-                 "process": redact(env)}
-                for h, env in zip(gang.handles, envs, strict=True)
-            ]
-        )  # fmt: skip
-        self.refs = gang.run(spec.target, spec.cwd)
-        gang.mark("started")
-        try:
-            returns = supervise(
-                gang, self.refs, self.stop, relay=self.relay, hang_timeout_s=spec.hang_timeout_s,
-                tick=self._tend_spares,
-            )  # fmt: skip
-        except RankFailedError as e:
-            self.failure = e
-            raise
-        gang.mark("finished")
-        try:
-            gang.exit_gracefully(spec.exit_grace_s)
-        except RankFailedError as e:  # a process died on its way out: its exit status, under torchrun
-            self.failure = e
-            raise
-        self.succeeded = True
-        self.relay.catch_up()  # what the ranks printed last (on their way out too), before the last word
-        log.info("all %d ranks finished in %.1f s", spec.world_size, gang.timings["finished"])
-        return LaunchResult(spec.job_name, spec.world_size, *gang.master, gang.ranks, returns, gang.timings)
-
-    def _tend_spares(self) -> None:
-        """Start the next attempt's spares once this one trains (they would compete with its ranks'
-        own imports before), and say when they are ready."""
-        spec, gang = self.spec, self.gang
-        if self.spares_out is not None:
-            self.spares_out.tend(self.number + 1)
-            return
-        ran_for = time.monotonic() - gang.t0 - gang.timings["started"]
-        due = self.relay.progress_seen or ran_for >= SPARES_AFTER_S
-        if spec.spares and self.number < spec.max_restarts and due:
-            self.spares_out = SparePool(
-                f"{spec.job_name}-a{self.number + 1}", spec.job_name, spec.target, gang.groups, gang.slots,
-                gang.reports, [h.env.to_set for h in gang.handles], gang.start_env,
-            )  # fmt: skip
-
-    def hand_over(self) -> SparePool | None:
-        """After a failure: the spares for the next attempt, which keeps the groups too."""
-        pool = self.spares_out.hand_over() if self.spares_out is not None else None
-        self.handed_over = pool is not None
-        return pool
-
-    def teardown(self) -> None:
-        """Ranks still running (a peer failed, a hang, Ctrl-C) get SIGTERM and --kill-grace to end on
-        it, as torchrun's do; then every actor is killed and the groups removed (unless handed over)."""
-        if not self.succeeded and self.refs and self.relay is not None:
-            self.relay.stop_ranks()
-            self.gang.wait_stopped(self.refs, self.spec.kill_grace_s)
-        self.gang.teardown(keep_groups=self.handed_over)
-        if not self.succeeded and self.relay is not None and self.relay.sink is not None:
-            self.gang.collect_output(self.failure)
-        if self.spares_in is not None:  # given, but stopped before adopting them
-            self.spares_in.discard(groups=True)
-        if self.spares_out is not None and not self.handed_over:
-            self.spares_out.discard(groups=False)
-        if self.relay is not None:
-            self.relay.finish()
-        else:
-            self.progress.close()
+def _record(
+    run: RunDir, spec: LaunchSpec, error: BaseException | None, controller: Controller | None,
+    progress: ProgressView,
+) -> None:  # fmt: skip
+    """summary.json: how the launch ended, its restarts, the states it went through, its timings."""
+    attempt = controller.last_attempt if controller else None
+    run.write_summary(
+        job=spec.job_name,
+        world_size=spec.world_size,
+        **run_outcome(error).summary(),
+        restarts=[r.record() for r in controller.restarts] if controller else [],
+        states=[{"state": s, "at": at} for s, at in controller.history] if controller else [],
+        timings=attempt.timings if attempt is not None else {},
+        progress={**progress.stats, "first_report_at": progress.first_at} if progress.stats else {},
+    )
+    log.info("run directory: %s", run.path)
 
 
 def align_timeouts(spec: LaunchSpec, plan: Any) -> Target:

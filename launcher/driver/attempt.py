@@ -1,0 +1,175 @@
+"""One run of every rank: a rank gang (driver/gang.py) with its output relay (driver/relay.py) and,
+while restarts are left, the warm spares of the next attempt (driver/spares.py), watched by
+`supervise()` (driver/supervise.py). It has a method for each state of the controller
+(driver/controller.py), and a teardown that ends it whatever state it reached: every actor killed,
+every placement group removed (unless handed to the next attempt with its spares).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..core.errors import RankFailedError
+from ..core.rankenv import redact
+from ..core.spec import LaunchSpec
+from .cluster import Cluster
+from .gang import RankGang
+from .handle import RankInfo
+from .progress_view import ProgressView
+from .relay import OutputRelay
+from .rundir import RunDir
+from .spares import SparePool
+from .supervise import StopSignal, supervise
+
+log = logging.getLogger("megaray")
+
+SPARES_AFTER_S = 30.0  # spares start at the first progress report, or this long after the ranks
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    job_name: str
+    world_size: int
+    master_addr: str
+    master_port: int
+    ranks: tuple[RankInfo, ...]
+    returns: tuple[Any, ...]  # what each rank's target returned, by rank
+    timings: dict[str, float] = field(default_factory=dict)
+
+
+class Attempt:
+    """One run of every rank: a gang, its output relay, and the next attempt's warm spares."""
+
+    def __init__(
+        self,
+        spec: LaunchSpec,
+        number: int,
+        cluster: Cluster,
+        profile: dict[str, str],
+        stop: StopSignal,
+        run: RunDir,
+        progress: ProgressView,
+        spares_in: SparePool | None,
+    ):
+        self.spec, self.number, self.stop, self.run, self.progress = spec, number, stop, run, progress
+        name = spec.job_name if number == 0 else f"{spec.job_name}-a{number}"
+        self.gang = RankGang(
+            spec, stop, profile=profile, name=name, attempt=number, fixed_size=cluster.fixed_size
+        )
+        self.spares_in = spares_in  # given by the failed attempt, until adopted or discarded
+        self.spares_out: SparePool | None = None  # started for the next attempt
+        self.handed_over = False
+        self.relay: OutputRelay | None = None
+        self.refs: list = []  # each rank's run, by rank
+        self.returns: tuple[Any, ...] = ()
+        self.succeeded = False
+        self.failure: RankFailedError | None = None
+
+    @property
+    def adopted(self) -> bool:
+        return self.gang.adopted
+
+    @property
+    def timings(self) -> dict[str, float]:
+        return self.gang.timings
+
+    # -- one method per state of the controller (driver/controller.py) ----------------------------
+    def place(self) -> None:
+        """Placement groups, or the warm spares / warm pool taken over; then the output relay."""
+        spares_in, self.spares_in = self.spares_in, None
+        gang = self.gang
+        gang.place(spares_in)
+        self.relay = OutputRelay(
+            f"{gang.name}-output",
+            self.run.path,
+            [s.node_rank for s in gang.slots],
+            self.spec.console_ranks,
+            self.progress,
+            started=gang.pool_sink,
+        )
+
+    def start(self) -> None:
+        """Every rank's actor, port and env, recorded in the run directory; then the program starts."""
+        spec, gang = self.spec, self.gang
+        envs = gang.start(self.relay.sink)
+        self.run.write_topology(gang.master, [dataclasses.asdict(r) for r in gang.ranks])
+        self.run.write_env(
+            [
+                {"rank": h.slot.rank, "set_by_megaray": redact(h.env.to_set), "notes": h.env.notes,
+                 "process": redact(env)}
+                for h, env in zip(gang.handles, envs, strict=True)
+            ]
+        )  # fmt: skip
+        self.refs = gang.run(spec.target, spec.cwd)
+        gang.mark("started")
+
+    def watch(self) -> None:
+        """Until every rank returned; the first failure or a hang raises RankFailedError."""
+        try:
+            self.returns = supervise(
+                self.gang, self.refs, self.stop, relay=self.relay, hang_timeout_s=self.spec.hang_timeout_s,
+                tick=self._tend_spares,
+            )  # fmt: skip
+        except RankFailedError as e:
+            self.failure = e
+            raise
+        self.gang.mark("finished")
+
+    def finish(self) -> LaunchResult:
+        """Every rank's process ends as a Python process does; one dying on its way out is a failure
+        (its exit status, under torchrun)."""
+        spec, gang = self.spec, self.gang
+        try:
+            gang.exit_gracefully(spec.exit_grace_s)
+        except RankFailedError as e:
+            self.failure = e
+            raise
+        self.succeeded = True
+        self.relay.catch_up()  # what the ranks printed last (on their way out too), before the last word
+        log.info("all %d ranks finished in %.1f s", spec.world_size, gang.timings["finished"])
+        return LaunchResult(
+            spec.job_name, spec.world_size, *gang.master, gang.ranks, self.returns, gang.timings
+        )
+
+    def _tend_spares(self) -> None:
+        """Start the next attempt's spares once this one trains (they would compete with its ranks'
+        own imports before), and say when they are ready."""
+        spec, gang = self.spec, self.gang
+        if self.spares_out is not None:
+            self.spares_out.tend(self.number + 1)
+            return
+        ran_for = time.monotonic() - gang.t0 - gang.timings["started"]
+        due = self.relay.progress_seen or ran_for >= SPARES_AFTER_S
+        if spec.spares and self.number < spec.max_restarts and due:
+            self.spares_out = SparePool(
+                f"{spec.job_name}-a{self.number + 1}", spec.job_name, spec.target, gang.groups, gang.slots,
+                gang.reports, [h.env.to_set for h in gang.handles], gang.start_env,
+            )  # fmt: skip
+
+    def hand_over(self) -> SparePool | None:
+        """After a failure: the spares for the next attempt, which keeps the groups too."""
+        pool = self.spares_out.hand_over() if self.spares_out is not None else None
+        self.handed_over = pool is not None
+        return pool
+
+    def teardown(self) -> None:
+        """Ranks still running (a peer failed, a hang, Ctrl-C) get SIGTERM and --kill-grace to end on
+        it, as torchrun's do; then every actor is killed and the groups removed (unless handed over)."""
+        if not self.succeeded and self.refs and self.relay is not None:
+            self.relay.stop_ranks()
+            self.gang.wait_stopped(self.refs, self.spec.kill_grace_s)
+        self.gang.teardown(keep_groups=self.handed_over)
+        if not self.succeeded and self.relay is not None and self.relay.sink is not None:
+            self.gang.collect_output(self.failure)
+        if self.spares_in is not None:  # given, but stopped before adopting them
+            self.spares_in.discard(groups=True)
+        if self.spares_out is not None and not self.handed_over:
+            self.spares_out.discard(groups=False)
+        if self.relay is not None:
+            self.relay.finish()
+        else:
+            self.progress.close()

@@ -1,0 +1,250 @@
+"""The controller's transitions (driver/controller.py) against a fake attempt: no Ray, no processes.
+
+Each test scripts what the attempt's state methods do (return, raise a rank failure, raise on a
+signal) and reads where the launch went: its state, the states it went through, what was torn down,
+what the failure policy decided. As Ray Train tests its controller with a dummy worker group.
+"""
+
+from __future__ import annotations
+
+import signal
+
+import pytest
+
+from launcher.core.errors import FailureKind, Interrupted, RankFailedError, RankFailure, ResourceError
+from launcher.core.outcome import LaunchState, run_outcome
+from launcher.core.policy import FailureDecision, FailurePolicy
+from launcher.driver.controller import RELAUNCHED, REMOVED, Controller
+
+P, S, R, F = LaunchState.PLACING, LaunchState.STARTING, LaunchState.RUNNING, LaunchState.FINISHING
+RESTARTING = LaunchState.RESTARTING
+
+
+def failure(rank: int, kind: FailureKind, at: float, summary: str = "") -> RankFailure:
+    return RankFailure(rank, "10.0.0.1", "h", str(rank), kind, summary or f"rank {rank} {kind}", at=at)
+
+
+def failed(kind: FailureKind = FailureKind.DIED, at: float = 1.0, summary: str = "") -> RankFailedError:
+    return RankFailedError([failure(1, kind, at, summary)], 2)
+
+
+class FakeAttempt:
+    """`script[state method] = exception` makes that method raise; the rest succeed."""
+
+    def __init__(self, number: int, spares, events: list, script: dict | None = None):
+        self.number, self.spares_in, self.events, self.script = number, spares, events, script or {}
+        self.adopted = False
+        self.torn_down = False
+
+    def _step(self, name: str):
+        self.events.append((name, self.number))
+        if name in self.script:
+            raise self.script[name]
+
+    def place(self):
+        self._step("place")
+        self.adopted = self.spares_in is not None
+
+    def start(self):
+        self._step("start")
+
+    def watch(self):
+        self._step("watch")
+
+    def finish(self):
+        self._step("finish")
+        return f"result of attempt {self.number}"
+
+    def hand_over(self):
+        self.events.append(("hand_over", self.number))
+        return f"spares of attempt {self.number}"
+
+    def teardown(self):
+        assert not self.torn_down, "torn down twice"
+        self.torn_down = True
+        self.events.append(("teardown", self.number))
+
+
+def controller(max_restarts: int, scripts: dict[int, dict], events: list, states: list | None = None):
+    clock = iter(range(1000))
+    return Controller(
+        FailurePolicy(max_restarts),
+        lambda k, spares: FakeAttempt(k, spares, events, scripts.get(k)),
+        on_state=(states if states is not None else []).append,
+        clock=lambda: float(next(clock)),
+    )
+
+
+def test_an_attempt_steps_placing_starting_running_finishing_succeeded():
+    events: list = []
+    c = controller(0, {}, events)
+    assert c.run() == "result of attempt 0"
+    assert [s for s, _ in c.history] == [P, S, R, F, LaunchState.SUCCEEDED]
+    assert [at for _, at in c.history] == sorted(at for _, at in c.history)
+    assert events == [("place", 0), ("start", 0), ("watch", 0), ("finish", 0), ("teardown", 0)]
+    assert c.attempt is None and c.state is LaunchState.SUCCEEDED
+
+
+def test_a_start_failure_is_an_error_and_the_attempt_is_torn_down():
+    events: list = []
+    c = controller(3, {0: {"start": ResourceError("no GPUs")}}, events)
+    with pytest.raises(ResourceError):
+        c.run()
+    assert [s for s, _ in c.history] == [P, S, LaunchState.ERROR]  # not a rank failure: no restart
+    assert events[-1] == ("teardown", 0) and c.restarts == []
+
+
+def test_a_placement_that_cannot_fit_is_an_error():
+    events: list = []
+    c = controller(1, {0: {"place": ResourceError("the layout does not fit")}}, events)
+    with pytest.raises(ResourceError):
+        c.run()
+    assert c.state is LaunchState.ERROR and events == [("place", 0), ("teardown", 0)]
+
+
+@pytest.mark.parametrize(
+    "kind, summary",
+    [
+        (FailureKind.DIED, "killed by SIGKILL"),
+        (FailureKind.HUNG, "no output for 60s; process stopped (SIGSTOP)"),
+        (FailureKind.DIED, "its node 10.0.0.2 (node id abcd1234) was lost"),
+        (FailureKind.EXCEPTION, "ValueError: bad"),
+    ],
+)
+def test_a_rank_failure_with_no_restart_left_fails_the_launch(kind, summary):
+    """A dead rank, a hang, a lost node, an exception: each ends the same way with no restarts."""
+    events: list = []
+    error = failed(kind, summary=summary)
+    c = controller(0, {0: {"watch": error}}, events)
+    with pytest.raises(RankFailedError) as e:
+        c.run()
+    assert e.value is error and e.value.ending == REMOVED
+    assert [s for s, _ in c.history] == [P, S, R, LaunchState.FAILED]
+    assert events[-1] == ("teardown", 0) and ("hand_over", 0) not in events
+
+
+def test_a_restart_hands_the_spares_over_before_teardown_and_is_recorded(capsys):
+    events: list = []
+    c = controller(2, {0: {"watch": failed(at=1.0)}, 1: {"watch": failed(at=2.0)}}, events)
+    assert c.run() == "result of attempt 2"
+    assert events == [
+        ("place", 0), ("start", 0), ("watch", 0), ("hand_over", 0), ("teardown", 0),
+        ("place", 1), ("start", 1), ("watch", 1), ("hand_over", 1), ("teardown", 1),
+        ("place", 2), ("start", 2), ("watch", 2), ("finish", 2), ("teardown", 2),
+    ]  # fmt: skip
+    assert [s for s, _ in c.history] == [
+        P,
+        S,
+        R,
+        RESTARTING,
+        P,
+        S,
+        R,
+        RESTARTING,
+        P,
+        S,
+        R,
+        F,
+        LaunchState.SUCCEEDED,
+    ]
+    assert [(r.attempt, r.warm_spares) for r in c.restarts] == [(1, True), (2, True)]
+    assert all("rank 1 on 10.0.0.1 (h) failed" in r.cause for r in c.restarts)
+    assert set(c.restarts[0].record()) == {"attempt", "cause", "at", "warm_spares"}  # summary.json's keys
+    err = capsys.readouterr().err
+    assert err.count("Root cause (first failure):") == 2 and RELAUNCHED in err  # each failure's report
+
+
+def test_the_last_failure_is_raised_once_restarts_run_out():
+    events: list = []
+    c = controller(1, {0: {"watch": failed(at=0.0)}, 1: {"watch": failed(at=1.0)}}, events)
+    with pytest.raises(RankFailedError) as e:
+        c.run()
+    assert e.value.root.at == 1.0 and e.value.ending == REMOVED  # attempt 1's failure
+    assert [ev for ev in events if ev[0] == "teardown"] == [("teardown", 0), ("teardown", 1)]
+    assert ("hand_over", 1) not in events and len(c.restarts) == 1
+    assert c.restarts[0].warm_spares is True
+
+
+def test_a_crash_on_the_way_out_is_a_failure_the_policy_restarts():
+    """A process dying after its program returned counts as torchrun counts its exit status."""
+    events: list = []
+    c = controller(1, {0: {"finish": failed(summary="after the program returned, on its way out")}}, events)
+    assert c.run() == "result of attempt 1"
+    assert [s for s, _ in c.history][:5] == [P, S, R, F, RESTARTING]
+
+
+def test_a_failed_relaunch_placement_records_that_no_spares_were_taken():
+    events: list = []
+    scripts = {0: {"watch": failed()}, 1: {"place": ResourceError("gone")}}
+
+    def no_spares(k, spares):
+        return FakeAttempt(k, None, events, scripts.get(k))  # the spares could not take over
+
+    c = Controller(FailurePolicy(1), no_spares)
+    with pytest.raises(ResourceError):
+        c.run()
+    assert c.restarts[0].warm_spares is False and c.state is LaunchState.ERROR
+
+
+@pytest.mark.parametrize("state_method", ["place", "start", "watch", "finish"])
+def test_ctrl_c_in_any_state_is_interrupted_and_tears_down(state_method):
+    events: list = []
+    c = controller(2, {0: {state_method: Interrupted(signal.SIGINT, "SIGINT")}}, events)
+    with pytest.raises(Interrupted) as e:
+        c.run()
+    assert e.value.exit_code == 130 and c.state is LaunchState.INTERRUPTED
+    assert events[-1] == ("teardown", 0) and c.restarts == []
+
+
+def test_sigterm_during_a_restarts_teardown_ends_the_launch_interrupted():
+    events: list = []
+
+    class StoppedInTeardown(FakeAttempt):
+        def teardown(self):
+            super().teardown()
+            raise Interrupted(signal.SIGTERM, "SIGTERM")
+
+    c = Controller(FailurePolicy(3), lambda k, s: StoppedInTeardown(k, s, events, {"watch": failed()}))
+    with pytest.raises(Interrupted):
+        c.run()
+    assert c.state is LaunchState.INTERRUPTED and events.count(("teardown", 0)) == 1
+    assert run_outcome(Interrupted(signal.SIGTERM, "SIGTERM")).exit_code == 143
+
+
+def test_states_are_reported_as_they_happen():
+    states: list = []
+    c = controller(1, {0: {"watch": failed()}}, [], states)
+    c.run()
+    assert states == [s for s, _ in c.history[1:]]  # placing is where every launch begins
+
+
+# -- the pure rules the controller applies -------------------------------------------------------
+def test_the_policy_restarts_while_restarts_are_left():
+    policy = FailurePolicy(2)
+    assert [policy.decide(failed(), done) for done in range(4)] == [
+        FailureDecision.RESTART, FailureDecision.RESTART, FailureDecision.FAIL, FailureDecision.FAIL,
+    ]  # fmt: skip
+    assert FailurePolicy(0).decide(failed(FailureKind.HUNG), 0) is FailureDecision.FAIL
+    with pytest.raises(ValueError, match="got -1"):
+        FailurePolicy(-1)
+
+
+def test_how_a_launch_ended_and_its_exit_code():
+    assert (run_outcome(None).status, run_outcome(None).exit_code) == (LaunchState.SUCCEEDED, 0)
+    rank = run_outcome(failed())
+    assert (rank.status, rank.exit_code, len(rank.failures)) == (LaunchState.FAILED, 1, 1)
+    assert run_outcome(ResourceError("x")).exit_code == 2
+    assert run_outcome(KeyboardInterrupt()).exit_code == 130
+    crash = run_outcome(ZeroDivisionError("x"))
+    assert (crash.status, crash.exit_code, crash.root_cause) == (LaunchState.ERROR, 1, "ZeroDivisionError: x")
+    assert run_outcome(None).summary() == {"status": "succeeded", "exit_code": 0, "root_cause": None}
+    with pytest.raises(ValueError):
+        type(crash)(LaunchState.RUNNING, 0)  # a launch still running has not ended
+
+
+def test_the_root_cause_is_a_death_over_a_hang_over_an_exception_then_the_earliest():
+    raised = failure(0, FailureKind.EXCEPTION, at=1.0)
+    hung = failure(1, FailureKind.HUNG, at=3.0)
+    died_late, died_early = failure(2, FailureKind.DIED, at=5.0), failure(3, FailureKind.DIED, at=4.0)
+    error = RankFailedError([raised, hung, died_late, died_early], 4)
+    assert [f.rank for f in error.failures] == [3, 2, 1, 0]
