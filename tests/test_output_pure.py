@@ -111,6 +111,22 @@ def test_progress_from_report_calls_derives_the_rate():
     assert "TFLOP" not in view.describe()  # no formula for a plain program
 
 
+def test_a_relaunch_times_its_own_iterations_and_says_which_restart_it_is():
+    from launcher.core.outcome import LaunchState
+
+    view = ProgressView(TrainingFacts(), world_size=2, peak_tflops=989.0, tty=False)
+    view.update({"iteration": 1, "total": 11, "time": 100.0})
+    view.update({"iteration": 3, "total": 11, "time": 101.0})
+    view.on_state(LaunchState.RUNNING)
+    assert view.restarts == 0 and "restart" not in view.describe()
+    view.on_state(LaunchState.RESTARTING)  # the relaunch resumes at iteration 2, 60 s later
+    view.update({"iteration": 2, "total": 11, "time": 161.0})
+    assert "iter_s" not in view.stats  # no rate from (161-101)/(2-3) across the restart
+    view.update({"iteration": 4, "total": 11, "time": 162.0})
+    assert view.stats["iter_s"] == pytest.approx(0.5)
+    assert view.describe().endswith("| restart 1")
+
+
 def test_secrets_are_redacted_in_env_notes_and_records():
     env = {
         "HF_TOKEN": "abc",

@@ -76,8 +76,9 @@ def _launch(spec: LaunchSpec) -> LaunchResult:
                 return Attempt(replace(spec, target=target), k, cluster, profile, stop, run, progress, spares)
 
             controller = Controller(
-                FailurePolicy(spec.max_restarts), new_attempt, placement_timeout_s=spec.placement_timeout_s
-            )
+                FailurePolicy(spec.max_restarts), new_attempt, placement_timeout_s=spec.placement_timeout_s,
+                on_state=progress.on_state,
+            )  # fmt: skip
             try:
                 return controller.run()
             finally:

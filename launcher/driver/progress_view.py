@@ -13,6 +13,7 @@ import sys
 import time
 from typing import Any
 
+from ..core.outcome import LaunchState
 from ..core.progress import TrainingFacts
 
 log = logging.getLogger("megaray")
@@ -48,6 +49,14 @@ class ProgressView:
         self.printed_iteration: int | None = None
         self.stats: dict[str, Any] = {}
         self.first_at: float | None = None  # when a rank reported the first iteration (time to first step)
+        self.restarts = 0
+
+    def on_state(self, state: LaunchState) -> None:
+        """Told by the controller: a relaunch starts its own timing (iterations resume from the last
+        checkpoint, after the time the restart took), and the line says which relaunch it is."""
+        if state is LaunchState.RESTARTING:
+            self.restarts += 1
+            self.last = None
 
     def update(self, record: dict[str, Any]) -> None:
         previous, self.last = self.last, record
@@ -88,6 +97,8 @@ class ProgressView:
             )
         if "eta_s" in s:
             parts.append(f"ETA {_duration(s['eta_s'])}")
+        if self.restarts:
+            parts.append(f"restart {self.restarts}")
         return " | ".join(parts)
 
     def _show(self, final: bool) -> None:
