@@ -136,10 +136,12 @@ def test_an_hf_config_that_cannot_be_had_offline_exits_2_at_once(tmp_path):
 
 def test_relaunches_resume_from_the_recipe_checkpoints_and_nccl_outlasts_the_hang_timeout(configs, tmp_path):
     from launcher.core.spec import spec_from_args
-    from launcher.driver.launch import align_timeouts, resume_target
+    from launcher.driver.targets import runner_for
     from launcher.megatron.preflight import Plan
 
     spec = spec_from_args(["--recipe", "gpt_small", "--hang-timeout", "900", f"checkpoint.save={tmp_path}"])
+    runner = runner_for(spec.target)
+    align_timeouts, resume_target = runner.first_target, runner.resume_target
     cfg = build_config(spec.target.recipe, list(spec.target.args))[0]
     plan = Plan(layout=None, config=cfg, facts=facts_from_config(cfg))
     assert cfg.dist.distributed_timeout_minutes * 60 <= 900  # bridge's default would fire first
@@ -156,13 +158,14 @@ def test_a_finetuning_relaunch_resumes_from_its_own_checkpoints_once_it_has_save
     # Bridge's SFT recipes load from their default save folder; with checkpoint.save given alone, the
     # relaunch must load from there once the first attempt saved, and from the pretrained weights before.
     from launcher.core.spec import spec_from_args
-    from launcher.driver.launch import resume_target
+    from launcher.driver.targets import runner_for
     from launcher.megatron.preflight import Plan
 
     save = tmp_path / "ft"
     spec = spec_from_args(["--recipe", "llama3_8b_sft_2gpu_h100_bf16_config", "--nodes", "1",
                            "--gpus-per-node", "2", f"checkpoint.pretrained_checkpoint={tmp_path / 'pre'}",
                            f"checkpoint.save={save}"])  # fmt: skip
+    resume_target = runner_for(spec.target).resume_target
     cfg = build_config(spec.target.recipe, list(spec.target.args))[0]
     assert cfg.checkpoint.load not in (None, str(save))  # the recipe's own folder
     plan = Plan(layout=None, config=cfg, facts=facts_from_config(cfg))

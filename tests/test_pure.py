@@ -24,7 +24,7 @@ from launcher.core.topology import (
     visible_devices,
 )
 from launcher.driver.placement import nodes_that_fit, without_autoscaler
-from launcher.driver.spares import warm_steps
+from launcher.driver.targets import runner_for
 from launcher.rank.probes import wait_gone
 from launcher.rank.warmup import warm
 
@@ -525,6 +525,9 @@ def test_the_package_exports_its_public_names_without_importing_ray():
 
 # -- warm spares ----------------------------------------------------------------------------------
 def test_spares_import_the_launcher_stack_never_user_code():
+    def warm_steps(target):
+        return runner_for(target).warm_imports(target)
+
     assert warm_steps(Target("script", "train.py")) == ("torch", "torch.distributed")
     assert warm_steps(Target("entrypoint", "mypkg.train:main")) == ("torch", "torch.distributed")
     dry = warm_steps(DRY_RUN_TARGET)
@@ -535,6 +538,22 @@ def test_spares_import_the_launcher_stack_never_user_code():
         "megatron.bridge.training.pretrain"
     )
     assert recipe.function.partition(":")[0] in steps
+
+
+def test_every_kind_of_target_has_a_runner_and_plain_programs_resume_themselves():
+    from launcher.core.spec import spec_from_args
+    from launcher.core.target import TargetKind
+    from launcher.driver.targets import RUNNERS
+
+    assert set(RUNNERS) == set(TargetKind)
+    spec = spec_from_args(["train.py", "--lr", "1"])
+    runner = runner_for(spec.target)
+    assert runner.preflight(spec) is None and runner.first_target(spec, None) == spec.target
+    assert runner.resume_target(spec.target, None) == spec.target  # TORCHELASTIC_RESTART_COUNT tells it
+    assert runner.relays_output and not runner_for(Target("group", "rank group")).relays_output
+    assert {f.rsplit("/", 2)[-2] + "/" + f.rsplit("/", 1)[-1] for f in runner.own_files()} == {
+        "core/runner.py", "rank/programs.py",
+    }  # fmt: skip
 
 
 def test_warm_applies_the_env_first_and_reports_what_did_not_import(monkeypatch):

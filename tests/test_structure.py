@@ -20,6 +20,11 @@ def _module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
+def _is_module(name: str) -> bool:
+    path = REPO.joinpath(*name.split("."))
+    return path.is_dir() or path.with_suffix(".py").is_file()
+
+
 def _imports(path: Path) -> set[str]:
     """Modules of this package that `path` imports: at module level, in functions, and for annotations
     only (`if TYPE_CHECKING:`), which is a cycle all the same to a reader."""
@@ -34,8 +39,10 @@ def _imports(path: Path) -> set[str]:
             module = ".".join([*base, *(node.module.split(".") if node.module else [])])
             if not module.startswith("launcher"):
                 continue
-            found.add(module)
-            found.update(f"{module}.{a.name}" for a in node.names)  # `from . import placement`
+            names = {f"{module}.{a.name}" for a in node.names}
+            found.update(names)  # `from . import placement`
+            if not all(_is_module(n) for n in names):  # not `from .. import driver`, which is the folder's
+                found.add(module)
     return found
 
 
@@ -63,6 +70,28 @@ def test_no_import_cycle_between_modules():
     for m in sorted(graph):
         if m not in state:
             visit(m)
+
+
+def _folder(module: str) -> str:
+    """A module's folder (`launcher.driver`), or itself at the top (`launcher`, `launcher.__main__`)."""
+    return ".".join(module.split(".")[:2])
+
+
+def test_no_import_loop_between_folders():
+    """The folders stack: core, then rank, megatron, driver, cli; none imports one above it (a rank
+    that imported the Megatron target and a Megatron module that imported the rank's was such a loop)."""
+    edges: dict[str, set[str]] = {}
+    for m, deps in _graph().items():
+        for d in deps:
+            if _folder(d) != _folder(m):
+                edges.setdefault(_folder(m), set()).add(_folder(d))
+    loops = sorted(f"{a} <-> {b}" for a in edges for b in edges[a] if a < b and a in edges.get(b, set()))
+    assert not loops, loops
+    reach = {f: set(ds) for f, ds in edges.items()}
+    for _ in range(len(reach)):
+        for f in reach:
+            reach[f] |= {x for d in list(reach[f]) for x in reach.get(d, ())}
+    assert not [f for f in reach if f in reach[f]], edges
 
 
 def test_core_imports_only_core_and_never_ray_or_torch():

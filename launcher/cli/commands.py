@@ -13,28 +13,29 @@ from dataclasses import dataclass
 class Command:
     name: str
     summary: str  # one line, for `megaray --help`
-    run: Callable[[str, list[str]], int]  # (name, the arguments after it) -> exit code
+    # (name, the arguments after it, whether the process ends when it returns) -> exit code
+    run: Callable[[str, list[str], bool], int]
 
 
-def _jobs(name: str, argv: list[str]) -> int:
+def _jobs(name: str, argv: list[str], exits_after: bool) -> int:
     from .jobs import main
 
-    return main([name, *argv])
+    return main([name, *argv], exits_after)
 
 
-def _up(name: str, argv: list[str]) -> int:
+def _up(name: str, argv: list[str], exits_after: bool) -> int:
     from .up import main
 
-    return main(name, argv)
+    return main(name, argv, exits_after)
 
 
-def _doctor(_name: str, argv: list[str]) -> int:
+def _doctor(_name: str, argv: list[str], exits_after: bool) -> int:
     from .doctor import main
 
-    return main(argv)
+    return main(argv, exits_after)
 
 
-def _recipes(_name: str, argv: list[str]) -> int:
+def _recipes(_name: str, argv: list[str], _exits_after: bool) -> int:
     from .recipes import main
 
     return main(argv)

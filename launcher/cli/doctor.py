@@ -154,7 +154,7 @@ def _size(n: int) -> str:
 # -- the command -----------------------------------------------------------------------------------
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], exits_after: bool = False) -> int:
     args = build_parser().parse_args(argv)
     if (args.nodes is None) != (args.gpus_per_node is None):
         raise UsageError("give --nodes and --gpus-per-node together (the layout of the all-reduce test)")
@@ -178,7 +178,7 @@ def main(argv: list[str]) -> int:
     probe_spec = LaunchSpec(
         nodes=1, gpus_per_node=1, target=DRY_RUN_TARGET, dry_run=True, address=address, job_name="doctor"
     )
-    with connect(probe_spec):
+    with connect(probe_spec, exits_after=exits_after):
         reports = _probe_all(args, profile)
         ok = _print_nodes(reports) & _links()
         if args.nodes is None:

@@ -212,7 +212,7 @@ def submit(spec: SubmitSpec) -> int:
     return follow(client, job)
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], exits_after: bool = False) -> int:
     """Dispatch `megaray <command> ...` for the job commands; raises MegarayError on bad input."""
     if argv[0] == "submit":
         return submit(submit_spec_from_args(argv[1:]))
@@ -222,7 +222,7 @@ def main(argv: list[str]) -> int:
         from .up import show_pools
 
         # a dashboard URL names no GCS to ask for the pool; `megaray up`'s Ray has no dashboard
-        up_only = show_pools(None if address and "://" in address else address) and not address
+        up_only = show_pools(None if address and "://" in address else address, exits_after) and not address
         if up_only:
             print("jobs: none on `megaray up`'s Ray (no dashboard); `megaray submit --address` runs one")
             return 0

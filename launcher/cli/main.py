@@ -50,18 +50,16 @@ def entry() -> None:
     Ray connection down and tear the interpreter's modules down (Ray's, and bridge's after a
     preflight), about half a second that a developer waiting for the prompt would wait in vain.
     """
-    from .. import driver
-
-    driver.end_with_command()
-    code = main()
+    code = main(exits_after=True)
     sys.stdout.flush()
     sys.stderr.flush()
     logging.shutdown()
     os._exit(code)
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Exit codes: 0 every rank returned; 1 a rank failed; 2 bad input or resources; 130/143 stopped."""
+def main(argv: list[str] | None = None, *, exits_after: bool = False) -> int:
+    """Exit codes: 0 every rank returned; 1 a rank failed; 2 bad input or resources; 130/143 stopped.
+    `exits_after`: the process ends when this returns (`entry`), so nothing need be shut down first."""
     _setup_logging()
     # Ray reads this when it is imported: without it, identical lines from several ranks are folded
     # into one "[repeated Nx across cluster]" and per-rank output is lost.
@@ -69,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
         if argv and argv[0] in COMMANDS:
-            return COMMANDS[argv[0]].run(argv[0], argv[1:])
+            return COMMANDS[argv[0]].run(argv[0], argv[1:], exits_after)
         spec = spec_from_args(argv, help_epilog=commands_help())
         if spec.check_only:
             from ..megatron.preflight import preflight
@@ -78,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         from ..driver.launch import launch  # imports ray: after the spec, so --help and bad input stay fast
 
-        result = launch(spec)
+        result = launch(spec, exits_after=exits_after)
         if spec.dry_run:
             return _report_dry_run(result.returns, spec.nodes)
     except RankFailedError as e:

@@ -50,18 +50,18 @@ def build_parser(command: str) -> argparse.ArgumentParser:
     return p
 
 
-def main(command: str, argv: list[str]) -> int:
+def main(command: str, argv: list[str], exits_after: bool = False) -> int:
     from ..driver import up
 
     args = build_parser(command).parse_args(argv)
     if command == "up":
-        return _up(args)
+        return _up(args, exits_after)
     from ..driver import pool
 
     address = args.address or os.environ.get("RAY_ADDRESS")
     standing = up.running()
     if address:  # down --address: the cluster's pool
-        with _connected(address):
+        with _connected(address, exits_after):
             layout = pool.drop()
         if layout is None:
             log.info("no warm pool at %s", address)
@@ -72,7 +72,7 @@ def main(command: str, argv: list[str]) -> int:
         log.info("no `megaray up` is running")
         return 0
     try:
-        with _connected(standing.address):
+        with _connected(standing.address, exits_after):
             pool.drop()  # its detached processes would hold up the node's own stop for 30 s
     except MegarayError as e:  # the nodes are stopped all the same
         log.warning("could not give the warm pool back first (%s); stopping the nodes", e)
@@ -82,7 +82,7 @@ def main(command: str, argv: list[str]) -> int:
     return 0
 
 
-def _up(args: argparse.Namespace) -> int:
+def _up(args: argparse.Namespace, exits_after: bool) -> int:
     from ..driver import up
     from ..driver.pool import PoolLayout, keep
 
@@ -97,7 +97,7 @@ def _up(args: argparse.Namespace) -> int:
                 "the cluster at --address is already up: `megaray up --address` keeps a warm pool "
                 "there, add --warm (or launch with --address directly)"
             )
-        with _connected(args.address):
+        with _connected(args.address, exits_after):
             keep(layout)
         log.info(
             "a warm pool of %s is ready at %s for launches with --address %s (`megaray down --address` "
@@ -130,7 +130,7 @@ def _up(args: argparse.Namespace) -> int:
     return 0
 
 
-def show_pools(address: str | None) -> bool:
+def show_pools(address: str | None, exits_after: bool = False) -> bool:
     """For `megaray list`: the `megaray up` Ray and the warm pool of the cluster at `address` (a GCS
     HOST:PORT), or of `megaray up`'s Ray. Whether a `megaray up` is running."""
     from ..driver import pool, up
@@ -142,7 +142,7 @@ def show_pools(address: str | None) -> bool:
     where = address or (standing.address if standing else None)
     if where is None:
         return False
-    with _connected(where):
+    with _connected(where, exits_after):
         layout = pool.recorded()
         if layout is None:
             print(f"pool at {where}: none (`megaray up` keeps one; `megaray up --warm`, with torch imported)")
@@ -154,7 +154,7 @@ def show_pools(address: str | None) -> bool:
 
 
 @contextlib.contextmanager
-def _connected(address: str) -> Iterator[None]:
+def _connected(address: str, exits_after: bool = False) -> Iterator[None]:
     """Connected to the cluster at `address` as a launch connects (token auth, clear errors)."""
     from ..core.spec import LaunchSpec
     from ..core.target import DRY_RUN_TARGET
@@ -162,5 +162,5 @@ def _connected(address: str) -> Iterator[None]:
 
     probe = LaunchSpec(nodes=1, gpus_per_node=1, target=DRY_RUN_TARGET, dry_run=True, address=address,
                        job_name="megaray-pool")  # fmt: skip
-    with connect(probe):
+    with connect(probe, exits_after=exits_after):
         yield

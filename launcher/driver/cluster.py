@@ -16,13 +16,13 @@ import ray
 
 from ..core.errors import ClusterError, UsageError
 from ..core.spec import RAY_NAMESPACE, LaunchSpec
-from ..core.target import TargetKind
 from ..core.topology import RankReport, local_ranks_problem
 from ..core.versions import python_version
-from . import ends_with_command, rayprivate, up
+from . import rayprivate, up
 from .auth import AUTH_HINT, token_mode
 from .nodeenv import node_environment
 from .reach import check_reachable
+from .targets import runner_for
 
 log = logging.getLogger("megaray")
 NAMESPACE = RAY_NAMESPACE
@@ -69,8 +69,12 @@ def _init(**kwargs: Any) -> None:
 
 
 @contextlib.contextmanager
-def connect(spec: LaunchSpec) -> Iterator[Cluster]:
+def connect(spec: LaunchSpec, *, exits_after: bool = False) -> Iterator[Cluster]:
     """Yield a connected cluster; disconnect (and stop what we started) afterwards.
+
+    `exits_after`: the process ends the moment the command returns (cli/main.py `entry`), so a
+    connection to a cluster megaray did not start is not shut down first (about 0.25 s in Ray's core
+    worker; the GCS sees the driver go all the same), and a connection that stalls ends the process.
 
     An existing connection in this process (tests, notebooks) is used as it is and kept.
     """
@@ -83,19 +87,19 @@ def connect(spec: LaunchSpec) -> Iterator[Cluster]:
     # A launch collects its ranks' output itself (driver/relay.py): Ray's own streaming would only add
     # its raylet and autoscaler chatter (and a warning for every rank stopped by SIGTERM) to the
     # console. A rank group has no sink and relies on it.
-    streams = spec.target.kind is TargetKind.GROUP
+    streams = not runner_for(spec.target).relays_output
     stack = contextlib.ExitStack()
     try:
         if spec.address:
             ours = (standing := up.running()) is not None and standing.address == spec.address
-            _attach(stack, spec.address, streams, announce=not ours)
+            _attach(stack, spec.address, streams, exits_after, announce=not ours)
             cluster = Cluster(address=spec.address, fixed_size=False)
         elif (standing := up.running()) is not None:
             log.info(
                 "attaching to the local Ray of `megaray up` at %s (`megaray down` stops it)",
                 standing.describe(),
             )
-            _attach(stack, standing.address, streams, announce=False)
+            _attach(stack, standing.address, streams, exits_after, announce=False)
             cluster = Cluster(address=standing.address, fixed_size=True)
         elif not spec.uses_gpus and (problem := local_ranks_problem(spec.world_size, os.cpu_count() or 1)):
             raise UsageError(problem)
@@ -127,7 +131,7 @@ def connect(spec: LaunchSpec) -> Iterator[Cluster]:
         quiet_raylet(False)
         # Ray's driver shutdown waits about 0.25 s in its core worker; when the process ends right
         # after the command, the GCS sees the driver go all the same (a Ray we started is stopped).
-        if ray.is_initialized() and not (attached and ends_with_command()):
+        if ray.is_initialized() and not (attached and exits_after):
             ray.shutdown()
         stack.close()
         if sim is not None:
@@ -144,17 +148,19 @@ def connect_timeout_s() -> float:
     return value if math.isfinite(value) and value > 0 else CONNECT_TIMEOUT_S
 
 
-def _attach(stack: contextlib.ExitStack, address: str, streams: bool, announce: bool = True) -> None:
+def _attach(
+    stack: contextlib.ExitStack, address: str, streams: bool, exits_after: bool, announce: bool = True
+) -> None:
     """Attach to the cluster at `address`: its GCS asked first, in seconds (driver/reach.py), then
     `ray.init` under a deadline, since Ray's own connection retries for minutes whatever it meets."""
     first = check_reachable(address)
     stack.enter_context(token_mode(address, first, announce))
-    with deadline(connect_timeout_s(), address):
+    with deadline(connect_timeout_s(), address, exits_after):
         _init(address=address, log_to_driver=streams)
 
 
 @contextlib.contextmanager
-def deadline(seconds: float, address: str) -> Iterator[None]:
+def deadline(seconds: float, address: str, exits_after: bool = False) -> Iterator[None]:
     """Bound a call that Ray may hold for minutes (its GCS client blocks in C++, where neither a
     signal handler nor an exception reaches it). At the deadline the command (cli/main.py `entry`)
     ends with exit 2 and one line: nothing is placed yet, so nothing is left. Called from Python
@@ -170,7 +176,7 @@ def deadline(seconds: float, address: str) -> Iterator[None]:
             "the head (`ray status` there), or raise MEGARAY_CONNECT_TIMEOUT_S"
         )
         log.error("%s", message)
-        if ends_with_command():
+        if exits_after:
             for stream in (sys.stdout, sys.stderr):
                 with contextlib.suppress(Exception):
                     stream.flush()

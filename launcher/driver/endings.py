@@ -22,7 +22,7 @@ from ..core.errors import FailureKind, RankFailedError, RankFailure
 from ..core.topology import RankReport, format_rank_ranges
 from ..rank.spool import exit_and_ship, exit_mark, ship, spool_name
 from .actors import first_line, on_node, wait_all
-from .handle import RankHandle
+from .handle import RankHandle, failure_site
 from .supervise import StopSignal
 
 log = logging.getLogger("megaray")
@@ -44,70 +44,6 @@ def _by_node(handles: tuple[RankHandle, ...]) -> dict[str, list[RankHandle]]:
     for h in handles:
         by_node.setdefault(h.report.node_id, []).append(h)
     return by_node
-
-
-def exit_gracefully(
-    handles: tuple[RankHandle, ...],
-    lingering: dict[int, list[str]],
-    grace_s: float,
-    stop: StopSignal,
-    sink: Any = None,
-) -> list[RankFailure]:
-    """Watch the processes of ranks told to exit end as Python processes do (non-daemon threads
-    joined, atexit handlers run: trackers flush, uploads finish), each by a task on its node; kill
-    and name those still running after `grace_s`; then what they printed on the way out reaches
-    the sink. Ctrl-C stops the wait. Returns the ranks whose process died on the way out (a crash in
-    an exit handler, a signal, os._exit), each as a failure, as torchrun counts a worker's exit status.
-
-    The ranks on the driver's own node are watched from the driver, in a thread: a task there would
-    first wait for Ray to start a worker process, about a second on a small machine."""
-    by_node = _by_node(handles)
-    here = ray.get_runtime_context().get_node_id()
-    task = ray.remote(exit_and_ship)
-    watches: dict[str, Any] = {}  # node -> the task's ref, or the driver thread's future
-    for node, hs in by_node.items():
-        args = ([h.report.pid for h in hs], grace_s, sink, _spools(hs), [_mark(h) for h in hs])
-        if node == here:
-            watches[node] = _in_thread(exit_and_ship, *args)
-        else:
-            watches[node] = task.options(**on_node(node)).remote(*args)
-    deadline = time.monotonic() + grace_s + 60
-    wait_all([w for w in watches.values() if not isinstance(w, Future)], grace_s + 60, stop)
-    for w in watches.values():
-        if isinstance(w, Future):
-            while not w.done() and time.monotonic() < deadline:
-                stop.check()
-                wait_futures([w], timeout=0.25)
-    killed, crashed = [], []
-    for node, w in watches.items():
-        try:
-            ended = w.result(timeout=0) if isinstance(w, Future) else ray.get(w, timeout=0)
-        except (ray.exceptions.RayError, FutureTimeout, OSError) as e:
-            log.warning("could not watch the ranks on node %s exit: %s", node[:8], first_line(e))
-            continue
-        for h, (took, clean) in zip(by_node[node], ended, strict=True):
-            if took is None:
-                killed.append(h.slot.rank)
-            elif not clean:
-                crashed.append(h.slot.rank)
-    if killed:
-        still = sorted({x for r in killed for x in lingering.get(r, [])})
-        log.warning(
-            "rank(s) %s still running %gs after the program returned (%s): killed; give them longer "
-            "with --exit-grace", format_rank_ranges(killed), grace_s, ", ".join(still) or "exit handlers",
-        )  # fmt: skip
-    at = time.time()
-    failures = []
-    for rank in crashed:
-        tail = _tail(sink, rank)
-        if ray_teardown_crash(tail):  # not the program's: its work is done, so it is not a failure
-            log.warning(
-                "rank %d's process crashed in Ray's own teardown after the program returned (%s): not "
-                "counted as a failure of the program", rank, readable_tail(tail)[-1] if tail else "?",
-            )  # fmt: skip
-            continue
-        failures.append(crash_on_exit(handles[rank], tail, at))
-    return failures
 
 
 def _tail(sink: Any, rank: int) -> list[str]:
@@ -145,69 +81,6 @@ def _in_thread(fn: Any, *args: Any) -> Future:
     return future
 
 
-def died(h: RankHandle, handles: tuple[RankHandle, ...], ray_message: str, lost: dict[str, bool]) -> str:
-    """What became of a rank whose process is gone: its node lost (asked once per node: Ray says so
-    only after its health checks, seconds later), or the process itself."""
-    node_id = h.report.node_id
-    if node_id not in lost:
-        lost[node_id] = node_lost(node_id)
-    if not lost[node_id]:
-        return describe_death(ray_message)
-    ranks = format_rank_ranges(x.slot.rank for x in handles if x.report.node_id == node_id)
-    node = f"{h.slot.node_ip} (node id {node_id[:8]})"
-    return f"its node {node} was lost: its raylet no longer answers; it took rank(s) {ranks} with it"
-
-
-def salvage(handle: RankHandle, sink: Any) -> Any:
-    """Start shipping a dead rank's spool from its node: what its process wrote last."""
-    if sink is None or not handle.spool:
-        return None
-    return (
-        ray.remote(ship)
-        .options(**on_node(handle.report.node_id))
-        .remote(sink, [(handle.slot.rank, handle.spool)], True)
-    )
-
-
-def last_words(
-    handles: tuple[RankHandle, ...],
-    sink: Any,
-    salvaging: dict[int, Any],
-    lost: dict[str, bool],
-    error: RankFailedError | None,
-) -> None:
-    """After an attempt ended badly: ship every rank's spool still on a live node, so the rank logs
-    hold what each printed to its end; a dead rank's failure gets its last lines and, where they or
-    its node tell, the signal that killed it."""
-    rest = [h for h in handles if h.slot.rank not in salvaging and not lost.get(h.report.node_id)]
-    refs = [
-        ray.remote(ship).options(**on_node(node)).remote(sink, _spools(hs), True)
-        for node, hs in _by_node(tuple(rest)).items()
-    ]
-    pending = [r for r in salvaging.values() if r is not None] + refs
-    ready, _ = ray.wait(pending, num_returns=len(pending), timeout=SALVAGE_WAIT_S)
-    if error is None:
-        return
-    amended = []
-    for f in error.failures:
-        ref = salvaging.get(f.rank)
-        if f.kind is not FailureKind.DIED or ref is None:
-            amended.append(f)
-            continue
-        try:
-            shipped = ray.get(ref, timeout=0) if ref in ready else {}
-            tail = tuple(ray.get(sink.tail.remote(f.rank), timeout=5))
-        except ray.exceptions.RayError as e:
-            log.warning("could not read what rank %d printed last: %s", f.rank, first_line(e))
-            amended.append(f)
-            continue
-        before, after = handles[f.rank].report.oom_kills, shipped.get("oom_kills")
-        cause = death_cause(tail, after - before if None not in (before, after) else None)
-        summary = cause or f.summary
-        amended.append(dataclasses.replace(f, summary=summary, last_output=readable_tail(tail)))
-    error.amend(amended)
-
-
 def node_lost(node_id: str) -> bool:
     """Whether a node is gone: dead for Ray already, or its raylet refuses or ignores a connection
     (a node whose raylet died, or whose link was cut, before Ray's health checks tell)."""
@@ -221,28 +94,179 @@ def node_lost(node_id: str) -> bool:
         return True
 
 
-def inspect_hang(handles: tuple[RankHandle, ...], idle_s: float) -> list[RankFailure]:
-    """Every rank's state and stack, read by a task on its node; one failure per rank."""
-    from ..core.hang import hang_failures
-    from ..rank.probes import inspect_processes
+class RankWatch:
+    """How the running ranks of a gang end, and what the driver learns of them as they do: which
+    nodes are lost, whose last output is being shipped, what a returned rank's process still runs.
+    The gang's supervise reads outcomes and hangs here; its teardown asks for the last words."""
 
-    log.error("no output or progress from any rank for %.0fs: reading every rank's stack", idle_s)
-    by_node: dict[str, list[int]] = {}
-    for h in handles:
-        by_node.setdefault(h.report.node_id, []).append(h.slot.rank)
-    task = ray.remote(inspect_processes)
-    refs = {
-        node: task.options(**on_node(node)).remote([handles[r].report.pid for r in ranks])
-        for node, ranks in by_node.items()
-    }
-    seen: dict[int, dict[str, Any]] = {}
-    for node, ref in refs.items():
+    def __init__(self, handles: tuple[RankHandle, ...], sink: Any):
+        self.handles, self.sink = handles, sink  # no sink: a rank group, whose output Ray streams
+        self.lost: dict[str, bool] = {}  # node id -> gone, asked once per node as its ranks die
+        self.salvaging: dict[int, Any] = {}  # rank -> the task shipping a dead rank's spool
+        self.lingering: dict[int, list[str]] = {}  # what each returned rank's process still runs
+
+    def outcome(self, ref: Any, rank: int) -> tuple[bool, Any]:
+        """(True, what the rank returned) or (False, its RankFailure)."""
+        h = self.handles[rank]
+        where = failure_site(h)
         try:
-            for r, found in zip(by_node[node], ray.get(ref, timeout=60), strict=True):
-                seen[r] = found
+            out = ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            summary = self._died(h, str(e))
+            if not self.lost[h.report.node_id]:
+                self.salvaging[rank] = self._salvage(h)
+            return False, RankFailure(**where, kind=FailureKind.DIED, summary=summary, at=time.time())
         except ray.exceptions.RayError as e:
-            log.warning("could not inspect the ranks on node %s: %s", node[:8], first_line(e))
-    for r in sorted(seen):
-        if seen[r].get("stack"):
-            log.error("stack of rank %d (pid %s):\n%s", r, seen[r]["pid"], seen[r]["stack"].rstrip())
-    return hang_failures(idle_s, [dataclasses.asdict(h.info) for h in handles], seen)
+            return False, RankFailure(
+                **where, kind=FailureKind.EXCEPTION, summary=first_line(e), traceback=str(e), at=time.time()
+            )
+        if out.ok:
+            self.lingering[rank] = list(out.lingering)
+            return True, out.value
+        return False, RankFailure(
+            **where, kind=out.kind, summary=out.summary, traceback=out.traceback, exit_code=out.exit_code,
+            at=out.at, error_file=out.error_file,
+        )  # fmt: skip
+
+    def _died(self, h: RankHandle, ray_message: str) -> str:
+        """What became of a rank whose process is gone: its node lost (asked once per node: Ray says so
+        only after its health checks, seconds later), or the process itself."""
+        node_id, lost = h.report.node_id, self.lost
+        if node_id not in lost:
+            lost[node_id] = node_lost(node_id)
+        if not lost[node_id]:
+            return describe_death(ray_message)
+        ranks = format_rank_ranges(x.slot.rank for x in self.handles if x.report.node_id == node_id)
+        node = f"{h.slot.node_ip} (node id {node_id[:8]})"
+        return f"its node {node} was lost: its raylet no longer answers; it took rank(s) {ranks} with it"
+
+    def _salvage(self, handle: RankHandle) -> Any:
+        """Start shipping a dead rank's spool from its node: what its process wrote last."""
+        sink = self.sink
+        if sink is None or not handle.spool:
+            return None
+        return (
+            ray.remote(ship)
+            .options(**on_node(handle.report.node_id))
+            .remote(sink, [(handle.slot.rank, handle.spool)], True)
+        )
+
+    def inspect_hang(self, idle_s: float) -> list[RankFailure]:
+        """Every rank's state and stack, read by a task on its node; one failure per rank."""
+        from ..core.hang import hang_failures
+        from ..rank.probes import inspect_processes
+
+        handles = self.handles
+        log.error("no output or progress from any rank for %.0fs: reading every rank's stack", idle_s)
+        by_node: dict[str, list[int]] = {}
+        for h in handles:
+            by_node.setdefault(h.report.node_id, []).append(h.slot.rank)
+        task = ray.remote(inspect_processes)
+        refs = {
+            node: task.options(**on_node(node)).remote([handles[r].report.pid for r in ranks])
+            for node, ranks in by_node.items()
+        }
+        seen: dict[int, dict[str, Any]] = {}
+        for node, ref in refs.items():
+            try:
+                for r, found in zip(by_node[node], ray.get(ref, timeout=60), strict=True):
+                    seen[r] = found
+            except ray.exceptions.RayError as e:
+                log.warning("could not inspect the ranks on node %s: %s", node[:8], first_line(e))
+        for r in sorted(seen):
+            if seen[r].get("stack"):
+                log.error("stack of rank %d (pid %s):\n%s", r, seen[r]["pid"], seen[r]["stack"].rstrip())
+        return hang_failures(idle_s, [dataclasses.asdict(h.info) for h in handles], seen)
+
+    def exit_gracefully(self, grace_s: float, stop: StopSignal) -> list[RankFailure]:
+        """Watch the processes of ranks told to exit end as Python processes do (non-daemon threads
+        joined, atexit handlers run: trackers flush, uploads finish), each by a task on its node; kill
+        and name those still running after `grace_s`; then what they printed on the way out reaches
+        the sink. Ctrl-C stops the wait. Returns the ranks whose process died on the way out (a crash in
+        an exit handler, a signal, os._exit), each as a failure, as torchrun counts a worker's exit status.
+
+        The ranks on the driver's own node are watched from the driver, in a thread: a task there would
+        first wait for Ray to start a worker process, about a second on a small machine."""
+        handles, sink, lingering = self.handles, self.sink, self.lingering
+        by_node = _by_node(handles)
+        here = ray.get_runtime_context().get_node_id()
+        task = ray.remote(exit_and_ship)
+        watches: dict[str, Any] = {}  # node -> the task's ref, or the driver thread's future
+        for node, hs in by_node.items():
+            args = ([h.report.pid for h in hs], grace_s, sink, _spools(hs), [_mark(h) for h in hs])
+            if node == here:
+                watches[node] = _in_thread(exit_and_ship, *args)
+            else:
+                watches[node] = task.options(**on_node(node)).remote(*args)
+        deadline = time.monotonic() + grace_s + 60
+        wait_all([w for w in watches.values() if not isinstance(w, Future)], grace_s + 60, stop)
+        for w in watches.values():
+            if isinstance(w, Future):
+                while not w.done() and time.monotonic() < deadline:
+                    stop.check()
+                    wait_futures([w], timeout=0.25)
+        killed, crashed = [], []
+        for node, w in watches.items():
+            try:
+                ended = w.result(timeout=0) if isinstance(w, Future) else ray.get(w, timeout=0)
+            except (ray.exceptions.RayError, FutureTimeout, OSError) as e:
+                log.warning("could not watch the ranks on node %s exit: %s", node[:8], first_line(e))
+                continue
+            for h, (took, clean) in zip(by_node[node], ended, strict=True):
+                if took is None:
+                    killed.append(h.slot.rank)
+                elif not clean:
+                    crashed.append(h.slot.rank)
+        if killed:
+            still = sorted({x for r in killed for x in lingering.get(r, [])})
+            log.warning(
+                "rank(s) %s still running %gs after the program returned (%s): killed; give them longer "
+                "with --exit-grace", format_rank_ranges(killed), grace_s, ", ".join(still) or "exit handlers",
+            )  # fmt: skip
+        at = time.time()
+        failures = []
+        for rank in crashed:
+            tail = _tail(sink, rank)
+            if ray_teardown_crash(tail):  # not the program's: its work is done, so it is not a failure
+                log.warning(
+                    "rank %d's process crashed in Ray's own teardown after the program returned (%s): not "
+                    "counted as a failure of the program", rank, readable_tail(tail)[-1] if tail else "?",
+                )  # fmt: skip
+                continue
+            failures.append(crash_on_exit(handles[rank], tail, at))
+        return failures
+
+    def last_words(self, error: RankFailedError | None) -> None:
+        """After an attempt ended badly: ship every rank's spool still on a live node, so the rank logs
+        hold what each printed to its end; a dead rank's failure gets its last lines and, where they or
+        its node tell, the signal that killed it."""
+        handles, sink, salvaging, lost = self.handles, self.sink, self.salvaging, self.lost
+        if sink is None or not handles:
+            return
+        rest = [h for h in handles if h.slot.rank not in salvaging and not lost.get(h.report.node_id)]
+        refs = [
+            ray.remote(ship).options(**on_node(node)).remote(sink, _spools(hs), True)
+            for node, hs in _by_node(tuple(rest)).items()
+        ]
+        pending = [r for r in salvaging.values() if r is not None] + refs
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=SALVAGE_WAIT_S)
+        if error is None:
+            return
+        amended = []
+        for f in error.failures:
+            ref = salvaging.get(f.rank)
+            if f.kind is not FailureKind.DIED or ref is None:
+                amended.append(f)
+                continue
+            try:
+                shipped = ray.get(ref, timeout=0) if ref in ready else {}
+                tail = tuple(ray.get(sink.tail.remote(f.rank), timeout=5))
+            except ray.exceptions.RayError as e:
+                log.warning("could not read what rank %d printed last: %s", f.rank, first_line(e))
+                amended.append(f)
+                continue
+            before, after = handles[f.rank].report.oom_kills, shipped.get("oom_kills")
+            cause = death_cause(tail, after - before if None not in (before, after) else None)
+            summary = cause or f.summary
+            amended.append(dataclasses.replace(f, summary=summary, last_output=readable_tail(tail)))
+        error.amend(amended)

@@ -17,7 +17,6 @@ import ray
 
 from ..core.errors import (
     ClusterError,
-    FailureKind,
     Interrupted,
     MegarayError,
     RankFailedError,
@@ -31,19 +30,19 @@ from ..core.target import Target
 from ..core.topology import (
     RankReport,
     RankSlot,
-    assign_ranks,
     format_rank_ranges,
     format_table,
-    order_nodes,
 )
 from . import placement, ports
 from .actors import first_line, kill_actors, start_rank_actor, wait_all
 from .cluster import check_versions
-from .endings import died, exit_gracefully, inspect_hang, last_words, salvage, spool_path
-from .handle import RankHandle, RankInfo, failure_site
+from .endings import RankWatch, spool_path
+from .handle import RankHandle, RankInfo
 from .links import check_rendezvous
-from .spares import SparePool, SparesUnusable
+from .sources import Placed, rank_sources
+from .spares import SparePool
 from .supervise import StopSignal
+from .targets import runner_for
 
 log = logging.getLogger("megaray")
 
@@ -76,21 +75,15 @@ class RankGang:
         self.start_env = startup_env(
             profile=profile, overrides=spec.env_overrides, forwarded=dict(spec.forwarded)
         )
+        self.placed: Placed | None = None  # where the ranks came from (driver/sources.py)
         self.groups: list = []
         self.slots: list[RankSlot] = []
         self.actors: list = []
         self.reports: list[RankReport] = []
-        self.replaced_pids: list[int | None] = [None] * spec.world_size
-        self.adopted = False  # the actors are the previous attempt's warm spares, or the warm pool's
-        self.pooled = False  # they are the warm pool's
-        self.pool_sink: Any = None  # the output sink the pool started ahead on the driver's node
         self.handles: tuple[RankHandle, ...] = ()
+        self.watch = RankWatch((), None)  # how the ranks end (driver/endings.py), once started
         self.master: tuple[str, int] = ("", 0)
         self.port_reserved: tuple[str, int] | None = None
-        self.lingering: dict[int, list[str]] = {}  # what each returned rank's process still runs
-        self.lost: dict[str, bool] = {}  # node id -> gone, asked once per node as its ranks die
-        self.sink: Any = None
-        self.salvaging: dict[int, Any] = {}  # rank -> the task shipping a dead rank's spool
         self.t0 = time.monotonic()
         self.timings: dict[str, float] = {}
 
@@ -106,60 +99,34 @@ class RankGang:
         self.timings[phase] = round(time.monotonic() - self.t0, 3)
 
     # -- start ------------------------------------------------------------------------------------
+    @property
+    def adopted(self) -> bool:
+        """Its actors were running before this gang: the previous attempt's warm spares, or the pool's."""
+        return self.placed is not None and self.placed.started
+
+    @property
+    def pool_sink(self) -> Any:
+        """The output sink the warm pool started ahead on the driver's node, if the pool was taken."""
+        return self.placed.sink if self.placed is not None else None
+
     def place(self, spares: SparePool | None = None) -> None:
-        """A placement group per node: the spares' own when they can take over, the host gang's when
-        colocated, else new ones on distinct nodes (placement.place_groups)."""
+        """A placement group per node, from the first source that gives one (driver/sources.py): the
+        spares' own when they can take over, the host gang's when colocated, the warm pool's, else new
+        ones on distinct nodes."""
         spec = self.spec
         log.info(
             "job %s: %d node(s) x %d rank(s) = %d, target: %s",
             spec.job_name, spec.nodes, spec.gpus_per_node, spec.world_size, spec.target.describe(),
         )  # fmt: skip
-        if (spares is not None and self._adopt(spares)) or self._share_host():
-            self.mark("placed")
-            return
-        if self.attempt == 0:
-            placement.check_name_free(spec.job_name)
-            if self._take_pool():
-                self.mark("placed")
-                return
-        self.groups = placement.place_groups(spec, self.name, self.stop, self.fixed_size)
+        host = (self.host.groups, self.host.slots) if self.host is not None else None
+        sources = rank_sources(
+            spec, self.name, self.stop, first=self.attempt == 0, fixed_size=self.fixed_size,
+            start_env=self.start_env, spares=spares, host=host,
+        )  # fmt: skip
+        placed = next(p for p in (source.take() for source in sources) if p is not None)
+        self.placed, self.groups, self.slots = placed, placed.groups, placed.slots
+        self.actors, self.reports = list(placed.actors), list(placed.reports)
         self.mark("placed")
-        self.slots = assign_ranks(order_nodes(placement.resolve_nodes(self.groups)), spec.gpus_per_node)
-
-    def _adopt(self, spares: SparePool) -> bool:
-        try:
-            self.reports = spares.take_over(self.stop)
-        except SparesUnusable as e:
-            log.warning("the warm spares cannot take over (%s): placing every rank anew", e)
-            spares.discard(groups=True)
-            return False
-        self.groups, self.slots, self.actors = spares.groups, spares.slots, list(spares.actors)
-        self.replaced_pids = list(spares.replaces_pids)
-        self.adopted = True
-        return True
-
-    def _take_pool(self) -> bool:
-        """The warm pool of `megaray up --warm`, when this launch's layout is its (driver/pool.py)."""
-        from . import pool
-
-        taken = pool.take(self.spec, self.stop, self.start_env) if self.host is None else None
-        if taken is None:
-            return False
-        self.groups, self.slots, self.actors, self.reports = (
-            taken.groups,
-            taken.slots,
-            taken.actors,
-            taken.reports,
-        )
-        self.pool_sink = taken.sink
-        self.adopted = self.pooled = True
-        return True
-
-    def _share_host(self) -> bool:
-        if self.host is None:
-            return False
-        self.groups, self.slots = self.host.groups, self.host.slots
-        return True
 
     def start(self, sink: Any = None) -> list[dict[str, str]]:
         """Actors (unless adopted), port, env; rank output goes to `sink` when given. Returns the
@@ -172,13 +139,14 @@ class RankGang:
         master = (self.slots[0].node_ip, port)
         check_rendezvous(self.actors, self.slots, self.reports, master, self.stop)
         decisions = gang_envs(self.spec, self.slots, self.reports, master, self.attempt, self.profile)
-        self.sink = sink
+        replaced = self.placed.replaced_pids or [None] * self.world_size
         self.handles = tuple(
             RankHandle(s, a, r, d, old, spool_path(r, self.name, s.rank) if sink is not None else None)
             for s, a, r, d, old in zip(
-                self.slots, self.actors, self.reports, decisions, self.replaced_pids, strict=True
+                self.slots, self.actors, self.reports, decisions, replaced, strict=True
             )
         )
+        self.watch = RankWatch(self.handles, sink)
         refs = [
             h.actor.setup.remote(
                 h.env.to_set,
@@ -234,7 +202,8 @@ class RankGang:
 
     # -- run and watch (the gang side of supervise.py) ---------------------------------------------
     def run(self, target: Target, cwd: str) -> list:
-        return [a.run.remote(target, cwd) for a in self.actors]
+        runner = runner_for(target)
+        return [a.run.remote(runner, target, cwd) for a in self.actors]
 
     def call(self, fn: Any, per_rank_args: list[tuple], kwargs: dict) -> list:
         return [a.call.remote(fn, args, kwargs) for a, args in zip(self.actors, per_rank_args, strict=True)]
@@ -243,43 +212,21 @@ class RankGang:
         return ray.wait(refs, num_returns=num_returns, timeout=timeout_s)
 
     def outcome(self, ref: Any, rank: int) -> tuple[bool, Any]:
-        """(True, what the rank returned) or (False, its RankFailure)."""
-        h = self.handles[rank]
-        where = failure_site(h)
-        try:
-            out = ray.get(ref)
-        except ray.exceptions.RayActorError as e:
-            summary = died(h, self.handles, str(e), self.lost)
-            if not self.lost[h.report.node_id]:
-                self.salvaging[rank] = salvage(h, self.sink)
-            return False, RankFailure(**where, kind=FailureKind.DIED, summary=summary, at=time.time())
-        except ray.exceptions.RayError as e:
-            return False, RankFailure(
-                **where, kind=FailureKind.EXCEPTION, summary=first_line(e), traceback=str(e), at=time.time()
-            )
-        if out.ok:
-            self.lingering[rank] = list(out.lingering)
-            return True, out.value
-        return False, RankFailure(
-            **where, kind=out.kind, summary=out.summary, traceback=out.traceback, exit_code=out.exit_code,
-            at=out.at, error_file=out.error_file,
-        )  # fmt: skip
+        return self.watch.outcome(ref, rank)
 
     def inspect_hang(self, idle_s: float) -> list[RankFailure]:
-        return inspect_hang(self.handles, idle_s)
+        return self.watch.inspect_hang(idle_s)
 
     def collect_output(self, error: RankFailedError | None) -> None:
-        """After a failed or stopped attempt: what the ranks printed last, shipped from their nodes'
-        spools; a dead rank's last lines and what they tell of its death go into `error`."""
-        if self.sink is not None and self.handles:
-            last_words(self.handles, self.sink, self.salvaging, self.lost, error)
+        """After a failed or stopped attempt: what the ranks printed last (endings.py)."""
+        self.watch.last_words(error)
 
     def exit_gracefully(self, grace_s: float) -> None:
         """After every rank returned: each process ends as a Python process does, watched on its
         node; one still running after `grace_s` is killed and named (endings.py)."""
         for a in self.actors:
             a.__ray_terminate__.remote()
-        crashed = exit_gracefully(self.handles, self.lingering, grace_s, self.stop, self.sink)
+        crashed = self.watch.exit_gracefully(grace_s, self.stop)
         self.mark("exited")
         if crashed:
             raise RankFailedError(crashed, self.world_size)
@@ -294,7 +241,7 @@ class RankGang:
         """Kill every rank; remove the groups unless they are kept (handed over with warm spares) or
         belong to the host gang; release the port."""
         kill_actors(self.actors)
-        if self.host is None and not keep_groups:
+        if self.placed is not None and self.placed.owns_groups and not keep_groups:
             placement.remove_groups(self.groups)
         if self.port_reserved:
             ports.release(*self.port_reserved)

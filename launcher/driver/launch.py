@@ -6,10 +6,8 @@ succeeds or the failure policy gives up; the run directory records it all, howev
 from __future__ import annotations
 
 import logging
-import math
 import signal
 from dataclasses import replace
-from typing import Any
 
 from ..core.errors import Interrupted
 from ..core.outcome import run_outcome
@@ -17,8 +15,7 @@ from ..core.policy import FailurePolicy
 from ..core.profiles import load_profile
 from ..core.progress import TrainingFacts
 from ..core.spec import LaunchSpec
-from ..core.target import Target, TargetKind, check_target_locally
-from ..megatron.preflight import preflight
+from ..core.target import check_target_locally
 from .attempt import Attempt, LaunchResult
 from .cluster import connect
 from .controller import Controller
@@ -26,20 +23,22 @@ from .progress_view import ProgressView
 from .rundir import RunDir, runs_root
 from .spares import SparePool
 from .supervise import StopSignal
+from .targets import runner_for
 
 log = logging.getLogger("megaray")
 
 __all__ = ["LaunchResult", "launch"]
 
 
-def launch(spec: LaunchSpec) -> LaunchResult:
+def launch(spec: LaunchSpec, *, exits_after: bool = False) -> LaunchResult:
     """Run `spec` on the cluster and return when every rank has finished; raises MegarayError.
 
     The run directory (`spec.run_dir`) records the spec, the resolved config, the topology, each
     rank's environment and output, and a summary of how it ended, whatever the outcome.
+    `exits_after`: the process ends when the command returns (driver/cluster.py `connect`).
     """
     try:
-        return _launch(spec)
+        return _launch(spec, exits_after)
     except KeyboardInterrupt:  # before megaray's own handler is installed: preflight, connecting
         raise Interrupted(signal.SIGINT, "SIGINT") from None
     except SystemExit as e:  # Ray's driver handler turns SIGTERM into sys.exit(15)
@@ -48,10 +47,11 @@ def launch(spec: LaunchSpec) -> LaunchResult:
         raise Interrupted(signal.SIGTERM, "SIGTERM") from None
 
 
-def _launch(spec: LaunchSpec) -> LaunchResult:
+def _launch(spec: LaunchSpec, exits_after: bool) -> LaunchResult:
     check_target_locally(spec.target, spec.cwd)
     profile = load_profile(spec.env_profile) if spec.env_profile else {}
-    plan = preflight(spec)
+    runner = runner_for(spec.target)
+    plan = runner.preflight(spec)
     runs_root(spec.run_dir)  # bad input, said before connecting
     stop = StopSignal()
     progress = ProgressView(plan.facts if plan else TrainingFacts(), spec.world_size, spec.peak_tflops)
@@ -61,7 +61,7 @@ def _launch(spec: LaunchSpec) -> LaunchResult:
     try:
         # After connecting: ray.init installs its own fatal-signal handler for SIGTERM, which would
         # end the driver without teardown.
-        with connect(spec) as cluster, stop.installed():
+        with connect(spec, exits_after=exits_after) as cluster, stop.installed():
             run = RunDir(spec.run_dir)
             run.write_spec(spec)
             if plan is not None:
@@ -69,10 +69,10 @@ def _launch(spec: LaunchSpec) -> LaunchResult:
             if spec.forwarded:
                 names = ", ".join(k for k, _ in spec.forwarded)
                 log.info("every rank gets these variables of this shell (values not shown): %s", names)
-            first_target = align_timeouts(spec, plan)
+            first_target = runner.first_target(spec, plan)
 
             def new_attempt(k: int, spares: SparePool | None) -> Attempt:
-                target = first_target if k == 0 else resume_target(first_target, plan)
+                target = first_target if k == 0 else runner.resume_target(first_target, plan)
                 return Attempt(replace(spec, target=target), k, cluster, profile, stop, run, progress, spares)
 
             controller = Controller(
@@ -109,45 +109,3 @@ def _record(
         progress={**progress.stats, "first_report_at": progress.first_at} if progress.stats else {},
     )
     log.info("run directory: %s", run.path)
-
-
-def align_timeouts(spec: LaunchSpec, plan: Any) -> Target:
-    """Megatron's collective timeout must outlast --hang-timeout, so a hang is caught here, with
-    stacks, and not by NCCL's watchdog: raise `dist.distributed_timeout_minutes` unless set by hand."""
-    target = spec.target
-    if target.kind is not TargetKind.MEGATRON or plan is None or not spec.hang_timeout_s:
-        return target
-    minutes = plan.config.dist.distributed_timeout_minutes
-    if minutes * 60 > spec.hang_timeout_s + 60:
-        return target
-    if any(a.startswith("dist.distributed_timeout_minutes=") for a in target.args):
-        log.warning(
-            "dist.distributed_timeout_minutes=%s is not above --hang-timeout %gs: NCCL will time out before "
-            "megaray reports the hang", minutes, spec.hang_timeout_s,
-        )  # fmt: skip
-        return target
-    wanted = math.ceil((spec.hang_timeout_s + 120) / 60)
-    log.info("dist.distributed_timeout_minutes=%d, above --hang-timeout %gs", wanted, spec.hang_timeout_s)
-    return replace(target, args=(*target.args, f"dist.distributed_timeout_minutes={wanted}"))
-
-
-def resume_target(target: Target, plan: Any) -> Target:
-    """The target of a relaunch: a Megatron recipe that saves checkpoints loads the latest of them
-    (bridge resumes the iteration count from `checkpoint.load`); other programs resume themselves,
-    as under torchrun (TORCHELASTIC_RESTART_COUNT tells them it is a restart).
-
-    Pretraining recipes load nothing; finetuning recipes load from their default save folder, so a
-    `checkpoint.save` given alone would leave the relaunch loading elsewhere. A `checkpoint.load`
-    given on the command line is kept; one from the recipe gives way once the save folder holds a
-    checkpoint (before that, the relaunch starts as the first attempt did: the pretrained weights)."""
-    if target.kind is not TargetKind.MEGATRON or plan is None:
-        return target
-    from ..megatron.bridge_target import has_checkpoint
-
-    ckpt = plan.config.checkpoint
-    if not ckpt.save or ckpt.load == ckpt.save or any(a.startswith("checkpoint.load=") for a in target.args):
-        return target
-    if ckpt.load and not has_checkpoint(ckpt.save):
-        return target
-    log.info("the relaunch resumes from the recipe's checkpoints: checkpoint.load=%s", ckpt.save)
-    return replace(target, args=(*target.args, f"checkpoint.load={ckpt.save}"))

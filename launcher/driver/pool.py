@@ -33,8 +33,8 @@ from ..core.topology import RankReport, RankSlot, assign_ranks, order_nodes
 from . import placement, rayprivate
 from .actors import first_line, start_rank_actor, wait_all
 from .cluster import NAMESPACE
-from .spares import warm_steps
 from .supervise import StopSignal
+from .targets import runner_for
 
 log = logging.getLogger("megaray")
 
@@ -127,7 +127,8 @@ def fill(layout: PoolLayout, wait: bool) -> None:
     rayprivate.kv_del(TAKEN, namespace=NAMESPACE)  # a new pool, not taken yet
     # what ranks get, before torch loads; nothing when nothing is imported (setup gives the whole env)
     env = {"OMP_NUM_THREADS": "1"} if layout.gpus_per_node > 1 and layout.warm else {}
-    imports = warm_steps(DRY_RUN_TARGET) if layout.warm else ()  # megatron's skipped if absent
+    # the dry run's stack (megatron's skipped where it is absent)
+    imports = runner_for(DRY_RUN_TARGET).warm_imports(DRY_RUN_TARGET) if layout.warm else ()
     idle = layout.idle_timeout_s
     actors = [
         start_rank_actor(

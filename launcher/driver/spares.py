@@ -23,54 +23,17 @@ from enum import Enum
 import ray
 from ray.util.placement_group import placement_group_table
 
-from ..core.refs import split_ref
-from ..core.target import Target, TargetKind
+from ..core.target import Target
 from ..core.topology import RankReport, RankSlot
 from . import placement
 from .actors import first_line, kill_actors, start_rank_actor, wait_all
 from .supervise import StopSignal
+from .targets import runner_for
 
 log = logging.getLogger("megaray")
 
 SPARE_ANSWER_S = 10.0  # a warm spare answers at once; one that does not is on a lost node
 WARM_TIMEOUT_S = 300.0  # as long as a rank actor may take to start
-
-
-# The Megatron dry run's imports (launcher.megatron.tiny_gpt imports them inside `train`).
-DRY_RUN_IMPORTS = (
-    "megatron.core.parallel_state",
-    "megatron.core.distributed",
-    "megatron.core.models.gpt",
-    "megatron.core.models.gpt.gpt_layer_specs",
-    "megatron.core.optimizer",
-    "megatron.core.pipeline_parallel",
-    "megatron.core.tensor_parallel",
-    "megatron.core.transformer",
-    "launcher.megatron.tiny_gpt",
-    "launcher.megatron.cpu_megatron",
-)
-
-
-def warm_steps(target: Target) -> tuple[str, ...]:
-    """What a spare imports before its rank needs it: `module`, or `module:function` to call.
-
-    Only the launcher's own stack: a user's script or module is never run ahead of time (its
-    import-time code would run with the previous attempt's env).
-    """
-    steps = ("torch", "torch.distributed")
-    if target.kind is TargetKind.DRYRUN:
-        return (*steps, *DRY_RUN_IMPORTS)
-    if target.kind is TargetKind.MEGATRON and target.recipe is not None:
-        recipe_module, _ = split_ref(target.recipe.function)
-        return (
-            *steps,
-            "launcher.megatron.compat:import_bridge",  # the TE-less import order, where TE is missing
-            "megatron.bridge.training.gpt_step",
-            "megatron.bridge.training.pretrain",
-            recipe_module,
-            "launcher.megatron.bridge_target",
-        )
-    return steps
 
 
 class SpareState(Enum):
@@ -102,7 +65,7 @@ class SparePool:
                              start_env=start_env)
             for s in slots
         ]  # fmt: skip
-        steps = warm_steps(target)
+        steps = runner_for(target).warm_imports(target)
         self.warm_refs = [a.warm.remote(env, steps) for a, env in zip(self.actors, envs, strict=True)]
         self.started_at = time.monotonic()
         self.state = SpareState.WARMING

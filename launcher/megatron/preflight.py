@@ -18,7 +18,6 @@ from ..core.errors import UsageError
 from ..core.layout import Layout, layout_problems
 from ..core.progress import TrainingFacts
 from ..core.spec import LaunchSpec
-from ..core.target import TargetKind
 from .facts import facts_from_config
 
 log = logging.getLogger("megaray")
@@ -60,7 +59,7 @@ def preflight(spec: LaunchSpec) -> Plan | None:
 
 def _preflight(spec: LaunchSpec) -> Plan | None:
     target = spec.target
-    if target.kind is not TargetKind.MEGATRON or target.recipe is None:
+    if target.recipe is None:
         return None
     t0 = time.monotonic()
     try:

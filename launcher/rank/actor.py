@@ -27,12 +27,12 @@ from ..core.errorfile import RecordedError, parse_error_file
 from ..core.errors import ClusterError, FailureKind
 from ..core.outcome import RankOutcome
 from ..core.rankenv import NODE_DEFAULTS
-from ..core.refs import load_function, split_ref
-from ..core.target import Target, TargetKind
+from ..core.runner import TargetRunner
+from ..core.target import Target
 from ..core.topology import RankReport, candidate_ports
 from ..core.versions import python_version
 from .capture import flush_streams
-from .plain_process import as_a_plain_process, fresh_sys_path, match_thread_pools, use_own_modules
+from .plain_process import as_a_plain_process, match_thread_pools
 from .probes import (
     REPLACED_EXIT_TIMEOUT_S,
     ephemeral_range,
@@ -193,19 +193,21 @@ class RankActor:
             self.capture = Capture(sink, self.rank, spool)
         return dict(os.environ)
 
-    def run(self, target: Target, cwd: str) -> RankOutcome:
+    def run(self, runner: TargetRunner, target: Target, cwd: str) -> RankOutcome:
         """Run the target to completion; a failure comes back as data with its traceback. A program
         that returns while non-daemon threads run or with atexit handlers registered is reported as
         lingering: its process must end on its own, as a Python process does, not be killed."""
-        result = self.call(run_target, (target, cwd), {})
+        result = self.call(runner.run, (target, cwd), {}, noise=runner.own_files())
         if result.ok:
             if self.capture is not None:
                 self.capture.end_control()
             result = replace(result, lingering=tuple(lingering(self.atexit_before)))
         return result
 
-    def call(self, fn, args: tuple, kwargs: dict) -> RankOutcome:
-        """Run `fn(*args, **kwargs)` here (a rank group's method call), failures as data."""
+    def call(self, fn, args: tuple, kwargs: dict, noise: tuple[str, ...] = ()) -> RankOutcome:
+        """Run `fn(*args, **kwargs)` here (a rank group's method call), failures as data; tracebacks
+        start after the frames of `noise`'s files (a runner's own)."""
+        noise = (*_NOISE, *noise)
         try:
             return RankOutcome(ok=True, value=fn(*args, **kwargs))
         except SystemExit as e:
@@ -213,14 +215,14 @@ class RankActor:
                 return RankOutcome(ok=True)
             code = e.code if isinstance(e.code, int) else 1
             what = f"exited with code {code}" + ("" if isinstance(e.code, int) else f": {e.code}")
-            return _failure(FailureKind.EXIT, what, e, code, self.error_file)
+            return _failure(FailureKind.EXIT, what, e, code, self.error_file, noise)
         except BaseException as e:
             # as Python prints an exception that ends a program (with exit code 1): the rank's log
             # keeps it too
             with contextlib.suppress(OSError, ValueError):
-                print(user_traceback(e), end="", file=sys.stderr, flush=True)
+                print(user_traceback(e, noise), end="", file=sys.stderr, flush=True)
             summary = f"{type(e).__name__}: {e}".strip().splitlines()[0]
-            return _failure(FailureKind.EXCEPTION, summary, e, 1, self.error_file)
+            return _failure(FailureKind.EXCEPTION, summary, e, 1, self.error_file, noise)
         finally:
             flush_streams()
             if self.capture is not None:
@@ -239,8 +241,9 @@ def lingering(atexit_before: int) -> list[str]:
 
 
 def _failure(
-    kind: FailureKind, summary: str, exc: BaseException, exit_code: int, error_file: str | None
-) -> RankOutcome:
+    kind: FailureKind, summary: str, exc: BaseException, exit_code: int, error_file: str | None,
+    noise: tuple[str, ...],
+) -> RankOutcome:  # fmt: skip
     """A failed run as data. Where the program recorded its error (torch elastic's `@record` writes
     TORCHELASTIC_ERROR_FILE), its message and traceback are the ones reported, as under torchrun."""
     recorded = _recorded(error_file)
@@ -248,7 +251,7 @@ def _failure(
         ok=False,
         kind=kind,
         summary=recorded.message.splitlines()[0] if recorded and recorded.message else summary,
-        traceback=recorded.traceback if recorded and recorded.traceback else user_traceback(exc),
+        traceback=recorded.traceback if recorded and recorded.traceback else user_traceback(exc, noise),
         exit_code=exit_code,
         at=time.time(),
         error_file=error_file if recorded else "",
@@ -262,55 +265,12 @@ def _recorded(error_file: str | None) -> RecordedError | None:
         return None
 
 
-def user_traceback(exc: BaseException) -> str:
-    """The traceback from the target's first frame on: this module's and runpy's frames are noise."""
+def user_traceback(exc: BaseException, noise: tuple[str, ...] = _NOISE) -> str:
+    """The traceback from the target's first frame on: this module's, the runner's and runpy's frames
+    are noise."""
     tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename in _NOISE:
+    while tb is not None and tb.tb_frame.f_code.co_filename in noise:
         if tb.tb_next is None:
             break
         tb = tb.tb_next
     return "".join(traceback.format_exception(type(exc), exc, tb))
-
-
-class TargetNotFound(Exception):
-    pass
-
-
-def run_target(target: Target, cwd: str) -> Any:
-    """Run the target as torchrun would: scripts and modules as `__main__` with sys.argv set."""
-    if os.path.isdir(cwd):
-        os.chdir(cwd)
-        os.environ["PWD"] = cwd  # as a shell sets it: the node's `ray start` folder otherwise
-    if target.kind is TargetKind.DRYRUN:
-        from ..megatron.dryrun import check_and_train
-
-        return check_and_train(*target.args)
-    if target.kind is TargetKind.MEGATRON:
-        from ..megatron.bridge_target import train_recipe
-
-        return train_recipe(target.recipe, list(target.args), target.hf_path)
-    if target.kind is TargetKind.SCRIPT:
-        path = os.path.join(cwd, target.name)
-        if not os.path.isfile(path):
-            raise TargetNotFound(
-                f"script {path} does not exist on node {socket.gethostname()}; put it on every node "
-                "(shared filesystem or the same checkout)"
-            )
-        sys.argv = [path, *target.args]
-        use_own_modules(fresh_sys_path(os.path.dirname(path)))
-        runpy.run_path(path, run_name="__main__")
-        return None
-    use_own_modules(fresh_sys_path(cwd))  # as `python -m`, which puts the working folder first
-    if target.kind is TargetKind.MODULE:
-        sys.argv = [target.name, *target.args]
-        runpy.run_module(target.name, run_name="__main__", alter_sys=True)
-        return None
-    module_name, func_name = split_ref(target.name)
-    try:
-        func = load_function(target.name)
-    except AttributeError:
-        func = None
-    if not callable(func):
-        raise TargetNotFound(f"{module_name} has no function {func_name} on node {socket.gethostname()}")
-    sys.argv = [module_name, *target.args]
-    return func()

@@ -1,0 +1,68 @@
+"""What each kind of target does, on a rank and in the driver, as one object per kind (torchtitan's
+`TrainSpec` does the same for its models). The registry that maps a kind to its runner is the
+driver's (driver/targets.py): plain programs register theirs from rank/programs.py, the Megatron
+targets from megatron/runners.py, so that neither rank/ nor the driver knows Megatron's rules.
+
+A runner is sent to each rank with its target, so it must pickle by reference: a module-level class
+with no state. What it imports heavy (torch, Megatron) it imports inside its methods: on a rank they
+run after the rank's env is set, and in the driver only for the targets that need them.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from typing import Any
+
+from .spec import LaunchSpec
+from .target import Target
+
+BASE_IMPORTS = ("torch", "torch.distributed")
+
+
+class TargetRunner:
+    """The defaults are a plain program's: nothing checked ahead, nothing changed on a relaunch (it
+    resumes itself, as under torchrun), torch imported ahead by a warm spare."""
+
+    relays_output = True  # megaray collects its ranks' output (driver/relay.py), not Ray's log streaming
+
+    # -- on a rank ----------------------------------------------------------------------------------
+    def run(self, target: Target, cwd: str) -> Any:
+        """Run the target to completion in this process, in `cwd` as a shell started there would."""
+        if os.path.isdir(cwd):
+            os.chdir(cwd)
+            os.environ["PWD"] = cwd  # as a shell sets it: the node's `ray start` folder otherwise
+        return self.main(target, cwd)
+
+    def main(self, target: Target, cwd: str) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} does not run on a rank")
+
+    def warm_imports(self, target: Target) -> tuple[str, ...]:
+        """What a warm spare imports before its rank needs it: `module`, or `module:function` to call.
+        Only the launcher's own stack: a user's program is never run ahead of time (its import-time
+        code would run with the previous attempt's env)."""
+        return BASE_IMPORTS
+
+    def own_files(self) -> tuple[str, ...]:
+        """The runner's source files: their frames lead no traceback a user reads."""
+        return tuple({inspect.getfile(c) for c in type(self).__mro__ if c is not object})
+
+    # -- in the driver ------------------------------------------------------------------------------
+    def preflight(self, spec: LaunchSpec) -> Any:
+        """What can be checked before anything is placed; returns a plan the other hooks read."""
+        return None
+
+    def first_target(self, spec: LaunchSpec, plan: Any) -> Target:
+        """The target of the first attempt (the spec's, or one adjusted to megaray's own settings)."""
+        return spec.target
+
+    def resume_target(self, target: Target, plan: Any) -> Target:
+        """The target of a relaunch after a failure."""
+        return target
+
+
+class RankGroupRunner(TargetRunner):
+    """A rank group's functions are called from the driver's process (driver/group.py), and print
+    through Ray's own log streaming: the group has no output sink."""
+
+    relays_output = False

@@ -1,0 +1,127 @@
+"""Where a gang's ranks come from, one strategy each, tried in order (`rank_sources`): the failed
+attempt's warm spares, a host gang's bundles (a colocated rank group), the warm pool of
+`megaray up --warm`, or placement groups placed anew. Each gives a `Placed`, or None to let the next
+try; fresh placement always gives one (or raises)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any, Protocol
+
+from ..core.spec import LaunchSpec
+from ..core.topology import RankReport, RankSlot, assign_ranks, order_nodes
+from . import placement, pool
+from .spares import SparePool, SparesUnusable
+from .supervise import StopSignal
+
+log = logging.getLogger("megaray")
+
+
+class Source(StrEnum):
+    SPARES = "warm spares"  # the previous attempt's, already importing in the same bundles
+    HOST = "host bundles"  # another gang's bundles, shared rank for rank
+    POOL = "warm pool"  # `megaray up --warm`'s processes
+    FRESH = "placed anew"
+
+
+@dataclass
+class Placed:
+    """What a source gives a gang: its groups and rank slots, and for sources whose processes already
+    run (spares, pool) their actors and reports."""
+
+    source: Source
+    groups: list
+    slots: list[RankSlot]
+    actors: list = field(default_factory=list)
+    reports: list[RankReport] = field(default_factory=list)
+    replaced_pids: list[int | None] | None = None  # the ranks' processes that spares take over from
+    sink: Any = None  # the output sink the pool started ahead on the driver's node
+
+    @property
+    def started(self) -> bool:
+        """Its actors run already: the gang starts none, and they get their GPU ids with their env."""
+        return self.source in (Source.SPARES, Source.POOL)
+
+    @property
+    def owns_groups(self) -> bool:
+        """Whether the gang's teardown removes the groups: a host gang's stay with the host."""
+        return self.source is not Source.HOST
+
+
+class RankSource(Protocol):
+    def take(self) -> Placed | None: ...
+
+
+@dataclass
+class FromSpares:
+    spares: SparePool
+    stop: StopSignal
+
+    def take(self) -> Placed | None:
+        try:
+            reports = self.spares.take_over(self.stop)
+        except SparesUnusable as e:
+            log.warning("the warm spares cannot take over (%s): placing every rank anew", e)
+            self.spares.discard(groups=True)
+            return None
+        s = self.spares
+        return Placed(Source.SPARES, s.groups, s.slots, list(s.actors), reports, list(s.replaces_pids))
+
+
+@dataclass
+class FromHost:
+    groups: list
+    slots: list[RankSlot]
+
+    def take(self) -> Placed:
+        return Placed(Source.HOST, self.groups, self.slots)
+
+
+@dataclass
+class FromPool:
+    """The warm pool, when this launch's layout is its (driver/pool.py)."""
+
+    spec: LaunchSpec
+    stop: StopSignal
+    start_env: dict[str, str]
+
+    def take(self) -> Placed | None:
+        taken = pool.take(self.spec, self.stop, self.start_env)
+        if taken is None:
+            return None
+        return Placed(Source.POOL, taken.groups, taken.slots, taken.actors, taken.reports, sink=taken.sink)
+
+
+@dataclass
+class Fresh:
+    """A placement group per node on distinct nodes (placement.place_groups)."""
+
+    spec: LaunchSpec
+    name: str
+    stop: StopSignal
+    fixed_size: bool
+
+    def take(self) -> Placed:
+        groups = placement.place_groups(self.spec, self.name, self.stop, self.fixed_size)
+        slots = assign_ranks(order_nodes(placement.resolve_nodes(groups)), self.spec.gpus_per_node)
+        return Placed(Source.FRESH, groups, slots)
+
+
+def rank_sources(
+    spec: LaunchSpec, name: str, stop: StopSignal, *, first: bool, fixed_size: bool,
+    start_env: dict[str, str], spares: SparePool | None = None,
+    host: tuple[list, list[RankSlot]] | None = None,
+) -> list[RankSource]:  # fmt: skip
+    """In the order they are tried. The pool serves only a launch's first attempt (a relaunch has its
+    spares, or places anew), and a first attempt's job name must be free on the cluster."""
+    sources: list[RankSource] = []
+    if spares is not None:
+        sources.append(FromSpares(spares, stop))
+    if host is not None:
+        return [*sources, FromHost(*host)]
+    if first:
+        placement.check_name_free(spec.job_name)
+        sources.append(FromPool(spec, stop, start_env))
+    return [*sources, Fresh(spec, name, stop, fixed_size)]

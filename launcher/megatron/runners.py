@@ -1,0 +1,123 @@
+"""The Megatron targets, as the driver's registry (driver/targets.py) takes them: a Megatron-Bridge
+recipe and the built-in dry run. What they need of the driver lives here, not there: the preflight,
+the collective timeout that must outlast --hang-timeout, and where a relaunch resumes from."""
+
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import replace
+from typing import Any
+
+from ..core.refs import split_ref
+from ..core.runner import BASE_IMPORTS, TargetRunner
+from ..core.spec import LaunchSpec
+from ..core.target import Target, TargetKind
+
+log = logging.getLogger("megaray")
+
+DRY_RUN_IMPORTS = (
+    "megatron.core.parallel_state",
+    "megatron.core.distributed",
+    "megatron.core.models.gpt",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.optimizer",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.tensor_parallel",
+    "megatron.core.transformer",
+    "launcher.megatron.tiny_gpt",
+    "launcher.megatron.cpu_megatron",
+)
+
+
+class DryRunRunner(TargetRunner):
+    """The rendezvous check, then a tiny megatron-core GPT where megatron-core is installed."""
+
+    def main(self, target: Target, cwd: str) -> Any:
+        from .dryrun import check_and_train
+
+        return check_and_train(*target.args)
+
+    def warm_imports(self, target: Target) -> tuple[str, ...]:
+        return (*BASE_IMPORTS, *DRY_RUN_IMPORTS)
+
+
+class MegatronRunner(TargetRunner):
+    """Megatron-Bridge `pretrain()`/`finetune()` with a recipe's config and the command line's overrides."""
+
+    def main(self, target: Target, cwd: str) -> Any:
+        from .bridge_target import train_recipe
+
+        return train_recipe(target.recipe, list(target.args), target.hf_path)
+
+    def warm_imports(self, target: Target) -> tuple[str, ...]:
+        if target.recipe is None:
+            return BASE_IMPORTS
+        recipe_module, _ = split_ref(target.recipe.function)
+        return (
+            *BASE_IMPORTS,
+            "launcher.megatron.compat:import_bridge",  # the TE-less import order, where TE is missing
+            "megatron.bridge.training.gpt_step",
+            "megatron.bridge.training.pretrain",
+            recipe_module,
+            "launcher.megatron.bridge_target",
+        )
+
+    def preflight(self, spec: LaunchSpec) -> Any:
+        from .preflight import preflight
+
+        return preflight(spec)
+
+    def first_target(self, spec: LaunchSpec, plan: Any) -> Target:
+        return align_timeouts(spec, plan)
+
+    def resume_target(self, target: Target, plan: Any) -> Target:
+        return resume_target(target, plan)
+
+
+RUNNERS: dict[TargetKind, TargetRunner] = {
+    TargetKind.MEGATRON: MegatronRunner(),
+    TargetKind.DRYRUN: DryRunRunner(),
+}
+
+
+def align_timeouts(spec: LaunchSpec, plan: Any) -> Target:
+    """Megatron's collective timeout must outlast --hang-timeout, so a hang is caught here, with
+    stacks, and not by NCCL's watchdog: raise `dist.distributed_timeout_minutes` unless set by hand."""
+    target = spec.target
+    if plan is None or not spec.hang_timeout_s:
+        return target
+    minutes = plan.config.dist.distributed_timeout_minutes
+    if minutes * 60 > spec.hang_timeout_s + 60:
+        return target
+    if any(a.startswith("dist.distributed_timeout_minutes=") for a in target.args):
+        log.warning(
+            "dist.distributed_timeout_minutes=%s is not above --hang-timeout %gs: NCCL will time out before "
+            "megaray reports the hang", minutes, spec.hang_timeout_s,
+        )  # fmt: skip
+        return target
+    wanted = math.ceil((spec.hang_timeout_s + 120) / 60)
+    log.info("dist.distributed_timeout_minutes=%d, above --hang-timeout %gs", wanted, spec.hang_timeout_s)
+    return replace(target, args=(*target.args, f"dist.distributed_timeout_minutes={wanted}"))
+
+
+def resume_target(target: Target, plan: Any) -> Target:
+    """The target of a relaunch: a Megatron recipe that saves checkpoints loads the latest of them
+    (bridge resumes the iteration count from `checkpoint.load`); other programs resume themselves,
+    as under torchrun (TORCHELASTIC_RESTART_COUNT tells them it is a restart).
+
+    Pretraining recipes load nothing; finetuning recipes load from their default save folder, so a
+    `checkpoint.save` given alone would leave the relaunch loading elsewhere. A `checkpoint.load`
+    given on the command line is kept; one from the recipe gives way once the save folder holds a
+    checkpoint (before that, the relaunch starts as the first attempt did: the pretrained weights)."""
+    if plan is None:
+        return target
+    from .bridge_target import has_checkpoint
+
+    ckpt = plan.config.checkpoint
+    if not ckpt.save or ckpt.load == ckpt.save or any(a.startswith("checkpoint.load=") for a in target.args):
+        return target
+    if ckpt.load and not has_checkpoint(ckpt.save):
+        return target
+    log.info("the relaunch resumes from the recipe's checkpoints: checkpoint.load=%s", ckpt.save)
+    return replace(target, args=(*target.args, f"checkpoint.load={ckpt.save}"))
