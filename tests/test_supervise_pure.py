@@ -11,7 +11,8 @@ import signal
 import pytest
 
 from launcher.core.errors import Interrupted, RankFailedError, RankFailure
-from launcher.driver.supervise import ROOT_CAUSE_WINDOW_S, STARTUP_GRACE_S, StopSignal, supervise
+from launcher.driver.stop import StopSignal
+from launcher.driver.supervise import ROOT_CAUSE_WINDOW_S, STARTUP_GRACE_S, supervise
 
 
 class Clock:

@@ -12,8 +12,8 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
-from .cluster import NAMESPACE
-from .supervise import StopSignal
+from ..core.spec import RAY_NAMESPACE
+from .stop import StopSignal
 
 
 def start_rank_actor(
@@ -37,7 +37,7 @@ def start_rank_actor(
         _rank_actor_class()
         .options(
             name=name,
-            namespace=NAMESPACE,
+            namespace=RAY_NAMESPACE,
             num_cpus=num_cpus,
             num_gpus=num_gpus,
             max_restarts=0,

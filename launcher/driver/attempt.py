@@ -23,7 +23,8 @@ from .progress_view import ProgressView
 from .relay import OutputRelay
 from .rundir import RunDir
 from .spares import SparePool
-from .supervise import StopSignal, supervise
+from .stop import StopSignal
+from .supervise import supervise
 
 log = logging.getLogger("megaray")
 

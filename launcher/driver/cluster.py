@@ -25,7 +25,6 @@ from .reach import check_reachable
 from .targets import runner_for
 
 log = logging.getLogger("megaray")
-NAMESPACE = RAY_NAMESPACE
 # Attaching takes about a second once the GCS has answered (driver/reach.py); past this, it hangs.
 CONNECT_TIMEOUT_S = 10.0
 
@@ -53,7 +52,7 @@ def _init(**kwargs: Any) -> None:
 
     address = kwargs.get("address")
     try:
-        ray.init(namespace=NAMESPACE, logging_level=logging.WARNING, **kwargs)
+        ray.init(namespace=RAY_NAMESPACE, logging_level=logging.WARNING, **kwargs)
     except (AuthenticationError, ConnectionError, RuntimeError) as e:
         if _caused_by_auth(e):
             raise ClusterError(f"the Ray cluster at {address} {AUTH_HINT}") from None

@@ -23,7 +23,7 @@ from ..core.topology import RankReport, format_rank_ranges
 from ..rank.spool import exit_and_ship, exit_mark, ship, spool_name
 from .actors import first_line, on_node, wait_all
 from .handle import RankHandle, failure_site
-from .supervise import StopSignal
+from .stop import StopSignal
 
 log = logging.getLogger("megaray")
 

@@ -41,7 +41,7 @@ from .handle import RankHandle, RankInfo
 from .links import check_rendezvous
 from .sources import Placed, rank_sources
 from .spares import SparePool
-from .supervise import StopSignal
+from .stop import StopSignal
 from .targets import runner_for
 
 log = logging.getLogger("megaray")

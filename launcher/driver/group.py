@@ -21,7 +21,8 @@ from ..core.target import GROUP_TARGET
 from .cluster import connect
 from .gang import RankGang
 from .handle import RankInfo
-from .supervise import StopSignal, supervise
+from .stop import StopSignal
+from .supervise import supervise
 
 
 def _release(gang: RankGang, stack: contextlib.ExitStack) -> None:

@@ -22,7 +22,7 @@ from .controller import Controller
 from .progress_view import ProgressView
 from .rundir import RunDir, runs_root
 from .spares import SparePool
-from .supervise import StopSignal
+from .stop import StopSignal
 from .targets import runner_for
 
 log = logging.getLogger("megaray")

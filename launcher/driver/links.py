@@ -14,7 +14,7 @@ import ray
 from ..core.errors import ClusterError
 from ..core.topology import RankReport, RankSlot
 from .actors import wait_all
-from .supervise import StopSignal
+from .stop import StopSignal
 
 REACH_TIMEOUT_S = 5.0
 

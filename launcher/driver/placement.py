@@ -21,7 +21,7 @@ from ..core.spec import LaunchSpec
 from ..core.topology import NodeSlot
 from . import rayprivate
 from .actors import wait_all
-from .supervise import StopSignal
+from .stop import StopSignal
 
 log = logging.getLogger("megaray")
 NODE_ID_LABEL = "ray.io/node-id"  # a label Ray gives every node

@@ -27,13 +27,12 @@ from dataclasses import asdict, dataclass, replace
 import ray
 
 from ..core.errors import UsageError
-from ..core.spec import LaunchSpec
+from ..core.spec import RAY_NAMESPACE, LaunchSpec
 from ..core.target import DRY_RUN_TARGET
 from ..core.topology import RankReport, RankSlot, assign_ranks, order_nodes
 from . import placement, rayprivate
 from .actors import first_line, start_rank_actor, wait_all
-from .cluster import NAMESPACE
-from .supervise import StopSignal
+from .stop import StopSignal
 from .targets import runner_for
 
 log = logging.getLogger("megaray")
@@ -85,7 +84,7 @@ class PoolLayout:
 
 def recorded() -> PoolLayout | None:
     """The connected cluster's pool, if one was asked for there (and not dropped)."""
-    raw = rayprivate.kv_get(POOL, namespace=NAMESPACE)
+    raw = rayprivate.kv_get(POOL, namespace=RAY_NAMESPACE)
     return PoolLayout(**json.loads(raw)) if raw else None
 
 
@@ -94,7 +93,7 @@ def keep(layout: PoolLayout) -> None:
     old = recorded()
     if old is not None and old != layout:
         give_back(old)
-    rayprivate.kv_put(POOL, json.dumps(asdict(layout)), overwrite=True, namespace=NAMESPACE)
+    rayprivate.kv_put(POOL, json.dumps(asdict(layout)), overwrite=True, namespace=RAY_NAMESPACE)
     if len(_groups(layout)) < layout.nodes:
         give_back(layout)  # a part left of an earlier one
         fill(layout, wait=True)
@@ -105,7 +104,7 @@ def drop() -> PoolLayout | None:
     layout = recorded()
     if layout is not None:
         give_back(layout)
-        rayprivate.kv_del(POOL, namespace=NAMESPACE)
+        rayprivate.kv_del(POOL, namespace=RAY_NAMESPACE)
     return layout
 
 
@@ -124,7 +123,7 @@ def fill(layout: PoolLayout, wait: bool) -> None:
     else:  # a refill at the end of a launch: one group has no node to keep apart from, so it is not
         # waited for (the raylet frees the launch's bundles a moment after), and the command ends now
         groups = placement.create_groups(spec, POOL, detached=True)
-    rayprivate.kv_del(TAKEN, namespace=NAMESPACE)  # a new pool, not taken yet
+    rayprivate.kv_del(TAKEN, namespace=RAY_NAMESPACE)  # a new pool, not taken yet
     # what ranks get, before torch loads; nothing when nothing is imported (setup gives the whole env)
     env = {"OMP_NUM_THREADS": "1"} if layout.gpus_per_node > 1 and layout.warm else {}
     # the dry run's stack (megatron's skipped where it is absent)
@@ -162,7 +161,7 @@ def _stop_sinks(keep: str = "") -> object | None:
     for name in ray.util.list_named_actors():
         if name.startswith(SINK):
             with contextlib.suppress(ValueError):
-                actor = ray.get_actor(name, namespace=NAMESPACE)
+                actor = ray.get_actor(name, namespace=RAY_NAMESPACE)
                 if name == keep:
                     kept = actor
                 else:
@@ -193,7 +192,7 @@ def take(spec: LaunchSpec, stop: StopSignal, start_env: dict[str, str] | None = 
         return None
     if claim is not None and groups:  # its launch ended without giving it back (its driver was killed)
         give_back(layout)  # which stops what that launch's ranks still ran in it
-        rayprivate.kv_del(TAKEN, namespace=NAMESPACE)
+        rayprivate.kv_del(TAKEN, namespace=RAY_NAMESPACE)
         log.info(
             "the %s was taken by job %s, which ended without giving it back: given back (this launch "
             "starts cold and refills it)", layout.kind, claim.job,
@@ -228,14 +227,14 @@ def take(spec: LaunchSpec, stop: StopSignal, start_env: dict[str, str] | None = 
         )
         return None
     mine = Claim(spec.job_name, ray.get_runtime_context().get_job_id())
-    if rayprivate.kv_put(TAKEN, json.dumps(asdict(mine)), overwrite=False, namespace=NAMESPACE):
+    if rayprivate.kv_put(TAKEN, json.dumps(asdict(mine)), overwrite=False, namespace=RAY_NAMESPACE):
         other = _claim()
         log.info("the %s is in use by job %s: this launch starts cold", layout.kind, other and other.job)
         return None
     claims = [a.claim.remote(spec.job_name) for a in by_bundle.values()]
     try:
         if len(wait_all(claims, POOL_READY_S, stop)) < len(claims) or not all(ray.get(claims)):
-            rayprivate.kv_del(TAKEN, namespace=NAMESPACE)  # the next launch may find it ready
+            rayprivate.kv_del(TAKEN, namespace=RAY_NAMESPACE)  # the next launch may find it ready
             log.info(
                 "the %s is still starting, or another launch took it: this launch starts cold", layout.kind
             )
@@ -245,7 +244,7 @@ def take(spec: LaunchSpec, stop: StopSignal, start_env: dict[str, str] | None = 
         reports = ray.get([a.info.remote() for a in actors], timeout=POOL_READY_S)
     except (ray.exceptions.RayError, ValueError) as e:  # a process of it is gone: its node was lost
         give_back(layout)
-        rayprivate.kv_del(TAKEN, namespace=NAMESPACE)
+        rayprivate.kv_del(TAKEN, namespace=RAY_NAMESPACE)
         log.info(
             "the %s has lost a process (%s): given back, this launch starts cold",
             layout.kind, first_line(e),
@@ -262,7 +261,7 @@ def _actors(layout: PoolLayout) -> dict[tuple[int, int], object] | None:
     """The pool's processes by (group, bundle), or None when one is gone."""
     try:
         return {
-            (g, b): ray.get_actor(f"{POOL}-g{g}b{b}", namespace=NAMESPACE)
+            (g, b): ray.get_actor(f"{POOL}-g{g}b{b}", namespace=RAY_NAMESPACE)
             for g in range(layout.nodes)
             for b in range(layout.gpus_per_node)
         }
@@ -321,7 +320,7 @@ class Claim:
 
 
 def _claim() -> Claim | None:
-    raw = rayprivate.kv_get(TAKEN, namespace=NAMESPACE)
+    raw = rayprivate.kv_get(TAKEN, namespace=RAY_NAMESPACE)
     try:
         return Claim(**json.loads(raw)) if raw else None
     except (ValueError, TypeError):  # written by an older megaray: the job's name only

@@ -19,8 +19,8 @@ from typing import Any
 import ray
 
 from ..core.progress import parse_megatron_line
+from ..core.spec import RAY_NAMESPACE
 from .actors import first_line, kill_actors, on_node
-from .cluster import NAMESPACE
 from .progress_view import ProgressView
 
 log = logging.getLogger("megaray")
@@ -147,7 +147,7 @@ def start_sink(name: str, detached: bool = False) -> Any:
     """The sink actor's class with its options: on the driver's node, which holds the run directory."""
     return ray.remote(OutputSink).options(
         name=name,
-        namespace=NAMESPACE,
+        namespace=RAY_NAMESPACE,
         max_restarts=0,
         lifetime="detached" if detached else None,
         **on_node(ray.get_runtime_context().get_node_id()),

@@ -14,7 +14,7 @@ from ..core.spec import LaunchSpec
 from ..core.topology import RankReport, RankSlot, assign_ranks, order_nodes
 from . import placement, pool
 from .spares import SparePool, SparesUnusable
-from .supervise import StopSignal
+from .stop import StopSignal
 
 log = logging.getLogger("megaray")
 

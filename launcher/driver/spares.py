@@ -27,7 +27,7 @@ from ..core.target import Target
 from ..core.topology import RankReport, RankSlot
 from . import placement
 from .actors import first_line, kill_actors, start_rank_actor, wait_all
-from .supervise import StopSignal
+from .stop import StopSignal
 from .targets import runner_for
 
 log = logging.getLogger("megaray")

@@ -10,62 +10,16 @@ silence counts as a hang, how a stop signal is seen) are tested with a fake gang
 
 from __future__ import annotations
 
-import contextlib
-import signal
-import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any, Protocol
 
-from ..core.errors import Interrupted, RankFailedError, RankFailure
+from ..core.errors import RankFailedError, RankFailure
+from .stop import StopSignal
 
 ROOT_CAUSE_WINDOW_S = 0.1  # failures arriving this close together are compared to find the first
 STARTUP_GRACE_S = 120.0  # the least silence allowed before the first line of any rank
 POLL_S = 0.25  # how often the loop looks at signals, output and the hang timer
-
-
-class StopSignal:
-    """SIGINT/SIGTERM in the driver: remembered by the handler, acted on by the wait loops.
-
-    Raising from the handler would unwind through Ray's C++ wait and surface as a SystemError; the
-    loops wait in short slices and call `check()`, which raises `Interrupted` so teardown runs. A
-    signal is acted on once: the waits of the teardown that follows (the ranks' --kill-grace to end on
-    their SIGTERM) go on, and only a second signal cuts them short.
-    """
-
-    def __init__(self):
-        self.signum: int | None = None
-        self.received = 0  # signals the handler saw
-        self.acted_on = 0  # of those, raised as Interrupted
-
-    def check(self) -> None:
-        if self.received > self.acted_on:
-            self.acted_on = self.received
-            raise Interrupted(self.signum, signal.Signals(self.signum).name)
-
-    def receive(self, signum: int) -> None:
-        """What the handler does; a second signal while stopping stops waiting for anything."""
-        self.received += 1
-        if self.signum is not None:
-            self.acted_on = self.received
-            raise Interrupted(signum, signal.Signals(signum).name)
-        self.signum = signum
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
-        old = {
-            s: signal.signal(s, lambda signum, _frame: self.receive(signum))
-            for s in (signal.SIGINT, signal.SIGTERM)
-        }
-        try:
-            yield
-        finally:
-            for s, h in old.items():
-                signal.signal(s, h)
 
 
 class Gang(Protocol):
