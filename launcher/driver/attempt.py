@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.errors import RankFailedError
-from ..core.rankenv import redact
 from ..core.spec import LaunchSpec
 from .cluster import Cluster
 from .gang import RankGang
@@ -98,13 +96,7 @@ class Attempt:
         spec, gang = self.spec, self.gang
         envs = gang.start(self.relay.sink)
         self.run.write_topology(gang.master, [dataclasses.asdict(r) for r in gang.ranks])
-        self.run.write_env(
-            [
-                {"rank": h.slot.rank, "set_by_megaray": redact(h.env.to_set), "notes": h.env.notes,
-                 "process": redact(env)}
-                for h, env in zip(gang.handles, envs, strict=True)
-            ]
-        )  # fmt: skip
+        self.run.write_env(gang.env_records(envs))
         self.refs = gang.run(spec.target, spec.cwd)
         gang.mark("started")
 
@@ -143,13 +135,9 @@ class Attempt:
         if self.spares_out is not None:
             self.spares_out.tend(self.number + 1)
             return
-        ran_for = time.monotonic() - gang.t0 - gang.timings["started"]
-        due = self.relay.progress_seen or ran_for >= SPARES_AFTER_S
+        due = self.relay.progress_seen or gang.since("started") >= SPARES_AFTER_S
         if spec.spares and self.number < spec.max_restarts and due:
-            self.spares_out = SparePool(
-                f"{spec.job_name}-a{self.number + 1}", spec.job_name, spec.target, gang.groups, gang.slots,
-                gang.reports, [h.env.to_set for h in gang.handles], gang.start_env,
-            )  # fmt: skip
+            self.spares_out = gang.start_spares(f"{spec.job_name}-a{self.number + 1}")
 
     def hand_over(self) -> SparePool | None:
         """After a failure: the spares for the next attempt, which keeps the groups too."""

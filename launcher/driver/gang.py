@@ -98,6 +98,25 @@ class RankGang:
     def mark(self, phase: str) -> None:
         self.timings[phase] = round(time.monotonic() - self.t0, 3)
 
+    def since(self, phase: str) -> float:
+        """Seconds since `phase` was marked."""
+        return time.monotonic() - self.t0 - self.timings[phase]
+
+    def env_records(self, envs: list[dict[str, str]]) -> list[dict[str, Any]]:
+        """env.json: what megaray set on each rank, its notes, and the whole env its process had."""
+        return [
+            {"rank": h.slot.rank, "set_by_megaray": redact(h.env.to_set), "notes": h.env.notes,
+             "process": redact(env)}
+            for h, env in zip(self.handles, envs, strict=True)
+        ]  # fmt: skip
+
+    def start_spares(self, name: str) -> SparePool:
+        """The next attempt's warm spares, one per rank in this gang's bundles (driver/spares.py)."""
+        return SparePool(
+            name, self.spec.job_name, self.spec.target, self.groups, self.slots, self.reports,
+            [h.env.to_set for h in self.handles], self.start_env,
+        )  # fmt: skip
+
     # -- start ------------------------------------------------------------------------------------
     @property
     def adopted(self) -> bool:
