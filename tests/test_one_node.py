@@ -488,3 +488,52 @@ def test_surviving_ranks_get_sigterm_before_the_kill(tmp_path, capsys, own_handl
     if own_handler:
         assert (out / "handled").read_text() == str(int(signal.SIGTERM))
     assert leftovers("stopprobe") == ([], [])
+
+
+def test_more_ranks_than_the_sink_takes_calls_at_once_still_print_and_stop(tmp_path):
+    """Every rank keeps a stop wait pending on the sink. Here the sink's default group takes 2 calls at
+    once (a launch's takes Ray's 1,000) and 6 ranks wait: their output must still arrive and their
+    stop still be delivered, as for the ranks of a thousand nodes (the waits have their own group)."""
+    from launcher.driver.relay import start_sink
+
+    world = 6
+    sink = start_sink("many-ranks-sink", world, max_concurrency=2)
+    sink = sink.remote(str(tmp_path), [0] * world, frozenset(range(world)))
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def start(self, sink, rank: int, spool: str) -> int:
+            from launcher.rank.capture import Capture
+
+            self.capture = Capture(sink, rank, spool)
+            return os.getpid()
+
+        def say(self, text: str) -> None:
+            print(text, flush=True)
+            self.capture.sync()
+
+    ranks = [Rank.remote() for _ in range(world)]
+    try:
+        ray.get(
+            [r.start.remote(sink, i, str(tmp_path / f"spool-{i}")) for i, r in enumerate(ranks)], timeout=60
+        )
+        ray.get([r.say.remote(f"hello from rank {i}") for i, r in enumerate(ranks)], timeout=30)
+        lines, _, _ = ray.get(sink.drain.remote(), timeout=10)
+        assert sorted(lines) == [f"[r{i} n0] hello from rank {i}" for i in range(world)]
+        ray.get(sink.stop_ranks.remote(), timeout=10)
+        deadline = time.monotonic() + 30
+        alive = list(ranks)
+        while alive and time.monotonic() < deadline:  # each rank sent itself SIGTERM
+            alive = [r for r in alive if not _dead(r)]
+        assert not alive, f"{len(alive)} of {world} ranks were not stopped"
+    finally:
+        for actor in [*ranks, sink]:
+            ray.kill(actor)
+
+
+def _dead(actor) -> bool:
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=1)
+    except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+        return True
+    return False

@@ -26,6 +26,8 @@ from .progress_view import ProgressView
 log = logging.getLogger("megaray")
 
 
+CONTROL = "control"  # the sink's concurrency group for the ranks' stop waits (OutputSink)
+CONTROL_SPARE = 8  # slots of that group beyond one per rank: the driver's stop_ranks, and a margin
 LAST_LINES = 80  # of a dead rank's output, for the failure report (core/deaths.py trims them)
 
 
@@ -38,7 +40,9 @@ class OutputSink:
 
     It is also how the driver stops the ranks gracefully: each rank's control thread waits in
     `wait_stop()` (an async method, so that all of them wait at once) and sends its own process
-    SIGTERM when `stop_ranks()` releases them.
+    SIGTERM when `stop_ranks()` releases them. Those two run in their own concurrency group, sized for
+    the world (`start_sink`): in the default group (1,000 calls at once for an async actor) a
+    thousand ranks' waits would hold every slot, and no `write`, `drain` or `stop_ranks` would run.
     """
 
     def __init__(
@@ -71,9 +75,11 @@ class OutputSink:
             self._stop = asyncio.Event()
         return self._stop
 
+    @ray.method(concurrency_group=CONTROL)
     async def wait_stop(self) -> None:
         await self._stop_event().wait()
 
+    @ray.method(concurrency_group=CONTROL)  # the event is the control group's loop's
     async def stop_ranks(self) -> None:
         self._stop_event().set()
 
@@ -143,9 +149,15 @@ class OutputSink:
         return self.drain()
 
 
-def start_sink(name: str, detached: bool = False) -> Any:
-    """The sink actor's class with its options: on the driver's node, which holds the run directory."""
-    return ray.remote(OutputSink).options(
+def start_sink(name: str, world_size: int, detached: bool = False, max_concurrency: int | None = None) -> Any:
+    """The sink actor's class with its options: on the driver's node, which holds the run directory,
+    with a slot in its control group for every rank's wait and for the driver's stop (Ray takes
+    concurrency groups at the class, not in `.options()`). `max_concurrency` bounds the default
+    group (Ray's default for an async actor: 1,000); a test sets it below the world size."""
+    groups = {CONTROL: world_size + CONTROL_SPARE}
+    bound = {"max_concurrency": max_concurrency} if max_concurrency else {}
+    return ray.remote(concurrency_groups=groups)(OutputSink).options(
+        **bound,
         name=name,
         namespace=RAY_NAMESPACE,
         max_restarts=0,
@@ -176,7 +188,9 @@ class OutputRelay:
                 kill_actors([started])
                 self.sink = None
         if self.sink is None:
-            self.sink = start_sink(name).remote(str(run_dir.resolve()), node_of_rank, console)
+            self.sink = start_sink(name, len(node_of_rank)).remote(
+                str(run_dir.resolve()), node_of_rank, console
+            )
         self.drain_ref: Any = None
         self.writes_seen = 0  # the sink's count of rank writes and reports, when last drained
         self.last_activity = time.monotonic()
