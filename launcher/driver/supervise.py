@@ -91,6 +91,9 @@ def supervise(
         done, pending = gang.wait(pending, 1, POLL_S)
         if not done:
             continue
+        if pending:  # every call ready by now, in one pass: at the end of a run they all are at once
+            more, pending = gang.wait(pending, len(pending), 0)
+            done = [*done, *more]
         collect(done)
         if failures:
             if pending:
