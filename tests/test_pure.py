@@ -773,3 +773,10 @@ def test_a_blas_takes_the_threads_it_reads_at_load():
     assert blas_threads("mkl", {"OPENBLAS_NUM_THREADS": "3", "OMP_NUM_THREADS": "4,2"}, cpus=96) == 4
     assert blas_threads("openblas", {"OMP_NUM_THREADS": "0"}, cpus=96) == 96  # unset or 0: every CPU
     assert blas_threads("flexiblas", {"OMP_NUM_THREADS": "2"}, cpus=96) is None  # not known: left alone
+
+
+def test_groups_sharing_a_node_are_all_found_in_one_pass():
+    from launcher.driver.placement import repeats
+
+    assert repeats(["a", "b", "c"]) == set()
+    assert repeats(["a", "a", "b", "a", "b"]) == {1, 3, 4}  # placed again together, in one round

@@ -159,8 +159,8 @@ def place_groups(
     """One group per node, each on a Ray node of its own, waited for up to --placement-timeout.
 
     All groups are requested at once, so that they are scheduled together; Ray keeps no two
-    STRICT_PACK groups apart, so a group that landed on a node another group holds is placed again
-    with that node excluded by label (`ray.io/node-id`).
+    STRICT_PACK groups apart, so the groups that landed on a node another group holds are placed again,
+    all in one round, with the nodes of the others excluded by label (`ray.io/node-id`).
     """
     problem = feasibility_problem(spec)
     if problem and fixed_size:
@@ -185,12 +185,11 @@ def place_groups(
     groups = create_groups(spec, name, detached)
     try:
         _wait_placed(groups, deadline, stop)
-        while (shared := first_repeat(nodes := [node_of(g) for g in groups])) is not None:
-            remove_groups([groups[shared]])
-            others = nodes[:shared] + nodes[shared + 1 :]
-            groups[shared] = create_group(
-                spec, f"{name}-node{shared}", exclude_nodes=others, detached=detached
-            )
+        while shared := repeats(nodes := nodes_of(groups)):
+            remove_groups([groups[i] for i in shared])
+            kept = [n for i, n in enumerate(nodes) if i not in shared]
+            for i in shared:
+                groups[i] = create_group(spec, f"{name}-node{i}", exclude_nodes=kept, detached=detached)
             _wait_placed(groups, deadline, stop)
     except _NotPlaced as e:
         remove_groups(groups)
@@ -215,26 +214,30 @@ def _wait_placed(groups: list[PlacementGroup], deadline: float, stop: StopSignal
         raise _NotPlaced(placed)
 
 
-def node_of(group: PlacementGroup) -> str:
-    return placement_group_table(group)["bundles_to_node_id"][0]
+def nodes_of(groups: list[PlacementGroup]) -> list[str]:
+    """The node of each group's bundle 0, from one read of the GCS's table, not one call per group."""
+    if len(groups) == 1:
+        return [placement_group_table(groups[0])["bundles_to_node_id"][0]]
+    table = placement_group_table()
+    return [table[g.id.hex()]["bundles_to_node_id"][0] for g in groups]
 
 
-def first_repeat(nodes: list[str]) -> int | None:
-    """The index of the first group whose node an earlier group holds already, or None."""
+def repeats(nodes: list[str]) -> set[int]:
+    """The indexes of the groups whose node an earlier group holds already."""
     seen: set[str] = set()
+    found = set()
     for i, node in enumerate(nodes):
         if node in seen:
-            return i
+            found.add(i)
         seen.add(node)
-    return None
+    return found
 
 
 def resolve_nodes(groups: list[PlacementGroup]) -> list[NodeSlot]:
     """The node of each group's bundle 0, from the GCS tables (no task needs to start)."""
     nodes = {n["NodeID"]: n for n in ray.nodes()}
     slots = []
-    for i, g in enumerate(groups):
-        node_id = node_of(g)
+    for i, node_id in enumerate(nodes_of(groups)):
         node = nodes[node_id]
         slots.append(
             NodeSlot(
