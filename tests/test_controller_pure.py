@@ -248,3 +248,45 @@ def test_the_root_cause_is_a_death_over_a_hang_over_an_exception_then_the_earlie
     died_late, died_early = failure(2, FailureKind.DIED, at=5.0), failure(3, FailureKind.DIED, at=4.0)
     error = RankFailedError([raised, hung, died_late, died_early], 4)
     assert [f.rank for f in error.failures] == [3, 2, 1, 0]
+
+
+def test_a_node_lost_at_8192_ranks_is_reported_in_one_screen():
+    """8 ranks of the lost node died; 8,184 peers failed in the same collective: one line each kind."""
+    world, lost = 8192, range(4088, 4096)
+    failures = [
+        RankFailure(r, "10.0.2.255", "n511", "0", FailureKind.DIED, "its node 10.0.2.255 was lost", at=5.0)
+        for r in lost
+    ] + [
+        RankFailure(r, f"10.0.{r // 2048}.{r // 8 % 256}", "h", str(r % 8), FailureKind.EXCEPTION,
+                    "RuntimeError: NCCL communicator was aborted", at=6.0)
+        for r in range(world) if r not in lost
+    ]  # fmt: skip
+    report = RankFailedError(failures, world).report()
+    assert len(report.splitlines()) < 40
+    assert "rank      : 4088 of 8192" in report
+    assert "  ranks 4089-4095 (7) on 10.0.2.255: its node 10.0.2.255 was lost" in report
+    assert "  ranks 0-4087,4096-8191 (8184) on 1023 nodes: RuntimeError: NCCL communicator" in report
+
+
+def test_many_kinds_of_failure_are_cut_to_a_screen_and_one_rank_reads_as_before():
+    failures = [
+        RankFailure(r, "10.0.0.1", "h", "0", FailureKind.EXCEPTION, f"error {r}", at=r) for r in range(50)
+    ]
+    report = RankFailedError(failures, 50).report()
+    assert "  rank 1 on 10.0.0.1: error 1" in report and "error 21" not in report
+    assert "... and 29 more kinds of failure" in report
+
+
+def test_ranks_waiting_in_the_same_frames_show_one_stack():
+    from launcher.core.hang import group_stacks
+
+    def dump(pid: int, frame: str) -> dict:
+        text = f'Process {pid}: python train.py\nPython v3.12.3\n\nThread {pid} (idle): "MainThread"\n'
+        text += f"    {frame}\n"
+        return {"pid": pid, "stack": text}
+
+    seen = {r: dump(100 + r, "barrier (torch/distributed/c10d.py:4000)") for r in range(8)}
+    seen[3] = dump(103, "forward (model.py:12)")
+    seen[5] = {"pid": 105, "stack": None}
+    groups = group_stacks(seen)
+    assert [(ranks, info["pid"]) for ranks, info in groups] == [([0, 1, 2, 4, 6, 7], 100), ([3], 103)]

@@ -83,6 +83,28 @@ class RankFailure:
 _ROOT_ORDER = {FailureKind.DIED: 0, FailureKind.HUNG: 1}
 
 
+OTHERS_SHOWN = 20  # kinds of failure listed after the root cause: one screen, at any world size
+
+
+def _grouped(failures: list[RankFailure]) -> list[str]:
+    """One line per kind of failure (its summary), its ranks as ranges: a node lost at 8,192 ranks
+    takes its 8 ranks and fails 8,184 peers in the same collective, which is two lines, not 8,191."""
+    from .topology import format_rank_ranges
+
+    groups: dict[str, list[RankFailure]] = {}
+    for f in failures:
+        groups.setdefault(f.summary, []).append(f)
+    lines = []
+    for summary, fs in groups.items():
+        if len(fs) == 1:
+            lines.append(f"  rank {fs[0].rank} on {fs[0].node_ip}: {summary}")
+            continue
+        ips = sorted({f.node_ip for f in fs})
+        where = ips[0] if len(ips) == 1 else f"{len(ips)} nodes"
+        lines.append(f"  ranks {format_rank_ranges(f.rank for f in fs)} ({len(fs)}) on {where}: {summary}")
+    return lines
+
+
 class RankFailedError(MegarayError):
     """One or more ranks failed; the earliest failure is the root cause (as torch elastic reports).
 
@@ -137,10 +159,13 @@ class RankFailedError(MegarayError):
         if r.traceback:
             out.append("  traceback :")
             out.extend("    " + ln for ln in r.traceback.rstrip().splitlines())
-        others = [f for f in self.failures[1:]]
+        others = _grouped(self.failures[1:])
         if others:
             out.append("Other failures:")
-            out.extend(f"  rank {f.rank} on {f.node_ip}: {f.summary}" for f in others)
+            out.extend(others[:OTHERS_SHOWN])
+            if len(others) > OTHERS_SHOWN:
+                more = len(others) - OTHERS_SHOWN
+                out.append(f"  ... and {more} more kinds of failure (summary.json lists every rank's)")
         if self.ending:
             out.append(self.ending)
         out.append(line)

@@ -32,6 +32,26 @@ def top_frame(stack: str | None) -> str:
     return ""
 
 
+def _frames(stack: str) -> tuple[str, ...]:
+    """A stack's frames, without what differs between identical ranks (the pid, the thread ids)."""
+    return tuple(
+        s
+        for ln in stack.splitlines()
+        if (s := ln.strip()) and not s.startswith(("Process ", "Python v", "Thread "))
+    )
+
+
+def group_stacks(seen: dict[int, dict[str, Any]]) -> list[tuple[list[int], dict[str, Any]]]:
+    """Ranks whose stacks read the same frames, together, each group with its first rank's reading;
+    in rank order. At thousands of ranks most wait in the same collective: one stack, not thousands."""
+    groups: dict[tuple[str, ...], tuple[list[int], dict[str, Any]]] = {}
+    for rank in sorted(seen):
+        info = seen[rank]
+        if info.get("stack"):
+            groups.setdefault(_frames(info["stack"]), ([], info))[0].append(rank)
+    return list(groups.values())
+
+
 def hang_failures(
     idle_s: float, ranks: list[dict[str, Any]], seen: dict[int, dict[str, Any]]
 ) -> list[RankFailure]:

@@ -153,7 +153,7 @@ class RankWatch:
 
     def inspect_hang(self, idle_s: float) -> list[RankFailure]:
         """Every rank's state and stack, read by a task on its node; one failure per rank."""
-        from ..core.hang import hang_failures
+        from ..core.hang import group_stacks, hang_failures
         from ..rank.probes import inspect_processes
 
         handles = self.handles
@@ -173,9 +173,11 @@ class RankWatch:
                     seen[r] = found
             except ray.exceptions.RayError as e:
                 log.warning("could not inspect the ranks on node %s: %s", node[:8], first_line(e))
-        for r in sorted(seen):
-            if seen[r].get("stack"):
-                log.error("stack of rank %d (pid %s):\n%s", r, seen[r]["pid"], seen[r]["stack"].rstrip())
+        for ranks, info in group_stacks(seen):
+            which = (
+                f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_rank_ranges(ranks)} ({len(ranks)})"
+            )
+            log.error("stack of %s (pid %s):\n%s", which, info["pid"], info["stack"].rstrip())
         return hang_failures(idle_s, [dataclasses.asdict(h.info) for h in handles], seen)
 
     def exit_gracefully(self, grace_s: float, stop: StopSignal) -> list[RankFailure]:
