@@ -780,3 +780,16 @@ def test_groups_sharing_a_node_are_all_found_in_one_pass():
 
     assert repeats(["a", "b", "c"]) == set()
     assert repeats(["a", "a", "b", "a", "b"]) == {1, 3, 4}  # placed again together, in one round
+
+
+def test_the_doctor_checks_every_link_of_a_small_cluster_and_a_few_per_node_of_a_large_one():
+    from launcher.cli.doctor import MATRIX_NODES, link_targets
+
+    small = link_targets(4, every_pair=False)
+    assert small == [[1, 2, 3], [0, 2, 3], [0, 1, 3], [0, 1, 2]]
+    large = link_targets(1024, every_pair=False)
+    assert sum(map(len, large)) == 3 * 1024  # not 1024 x 1023
+    assert large[0] == [1, 2, 512] and large[1023] == [0, 1, 511]
+    halves = {(i, j) for i, row in enumerate(large) for j in row if (i < 512) != (j < 512)}
+    assert halves  # a split of the nodes into two halves is crossed
+    assert len(link_targets(MATRIX_NODES + 1, every_pair=True)[0]) == MATRIX_NODES
