@@ -537,3 +537,40 @@ def _dead(actor) -> bool:
     except (ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
         return True
     return False
+
+
+def test_a_slow_sink_slows_the_sending_not_the_program_and_loses_nothing(tmp_path):
+    """A flood of output to a sink that takes half a second a write: one write in flight per rank,
+    the rest waits in the spool and goes in the next write; every line reaches the rank's log."""
+    from launcher.driver.relay import CONTROL, OutputSink
+
+    class SlowSink(OutputSink):
+        def write(self, rank: int, data: bytes, start: int) -> None:
+            time.sleep(0.5)
+            super().write(rank, data, start)
+
+    sink = ray.remote(concurrency_groups={CONTROL: 4})(SlowSink).remote(str(tmp_path), [0], frozenset())
+
+    @ray.remote(num_cpus=0)
+    class Rank:
+        def flood(self, sink, spool: str, seconds: float) -> int:
+            from launcher.rank.capture import Capture
+
+            capture = Capture(sink, 0, spool)
+            lines, end = 0, time.monotonic() + seconds
+            while time.monotonic() < end:
+                print(f"line {lines}", flush=True)
+                lines += 1
+            capture.sync(timeout_s=30)
+            return lines
+
+    rank = Rank.remote()
+    try:
+        lines = ray.get(rank.flood.remote(sink, str(tmp_path / "spool"), 2.0), timeout=60)
+        _, _, writes = ray.get(sink.finish.remote(), timeout=10)
+        assert writes <= 10, f"{writes} writes in 2 s to a sink taking 0.5 s each: not one at a time"
+        logged = (tmp_path / "rank-0.log").read_text().splitlines()
+        assert len(logged) == lines and logged[-1] == f"[r0 n0] line {lines - 1}"
+    finally:
+        ray.kill(rank)
+        ray.kill(sink)

@@ -81,7 +81,15 @@ class Capture:
         self.control.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _pump(self) -> None:
+        """Send what the spool gets to the sink, one write in flight at a time: a sink slower than the
+        ranks (thousands of them, or a flood of output) slows the sending, not the program, and what
+        waits stays in the spool on disk, not in memory; the next write carries all of it (up to
+        1 MiB)."""
+        import ray
+
         while True:
+            while self.last_ref is not None and not ray.wait([self.last_ref], timeout=0.25)[0]:
+                pass
             data = os.read(self.read_fd, 1 << 20)
             if not data:
                 time.sleep(PUMP_IDLE_S)
