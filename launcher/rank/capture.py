@@ -16,6 +16,8 @@ import signal
 import sys
 import threading
 import time
+from concurrent.futures import Future
+from concurrent.futures import wait as wait_futures
 from typing import Any
 
 _current: Capture | None = None
@@ -84,12 +86,12 @@ class Capture:
         """Send what the spool gets to the sink, one write in flight at a time: a sink slower than the
         ranks (thousands of them, or a flood of output) slows the sending, not the program, and what
         waits stays in the spool on disk, not in memory; the next write carries all of it (up to
-        1 MiB)."""
-        import ray
-
+        1 MiB). It waits on a Python future, never inside a Ray call: a thread in Ray's C++ wait
+        while the process exits would keep the exit from finishing."""
+        sent: Future | None = None  # the last write's completion
         while True:
-            while self.last_ref is not None and not ray.wait([self.last_ref], timeout=0.25)[0]:
-                pass
+            if sent is not None:
+                wait_futures([sent])
             data = os.read(self.read_fd, 1 << 20)
             if not data:
                 time.sleep(PUMP_IDLE_S)
@@ -98,6 +100,7 @@ class Capture:
             time.sleep(PUMP_GATHER_S)
             data += os.read(self.read_fd, (1 << 20) - len(data)) if len(data) < 1 << 20 else b""
             self.last_ref = self.sink.write.remote(self.rank, data, self.sent)
+            sent = self.last_ref.future()
             self.sent += len(data)
 
     def sync(self, timeout_s: float = 10.0) -> None:
