@@ -42,10 +42,18 @@ def leftovers(job: str, wait_s: float = 10.0) -> tuple[list[str], list[str]]:
 
     deadline = time.monotonic() + wait_s
     while True:
+        # rank actors are unnamed: theirs are the job's groups (kept in the table once removed)
+        ids = {
+            g["placement_group_id"]
+            for g in ray.util.placement_group_table().values()
+            if g["name"].startswith(job + "-")
+        }
         actors = [
-            a.name
-            for a in list_actors(address=connected(), filters=[("state", "!=", "DEAD")], limit=10000)
-            if (a.name or "").startswith(job + "-")
+            a.name or a.repr_name or a.actor_id
+            for a in list_actors(
+                address=connected(), filters=[("state", "!=", "DEAD")], limit=10000, detail=True
+            )
+            if (a.name or "").startswith(job + "-") or a.placement_group_id in ids
         ]
         groups = [
             g["name"]

@@ -54,10 +54,13 @@ class RayStartCluster:
 import time
 deadline = time.time() + 10
 while True:
-    actors = [a.name for a in list_actors(address=URL, limit=10000)
-              if a.state != "DEAD" and (a.name or "").startswith({job!r} + "-")]
-    groups = [g.name for g in list_placement_groups(address=URL, limit=10000)
-              if g.state != "REMOVED" and (g.name or "").startswith({job!r} + "-")]
+    mine = [g for g in list_placement_groups(address=URL, limit=10000)
+            if (g.name or "").startswith({job!r} + "-")]
+    ids = {{g.placement_group_id for g in mine}}  # rank actors are unnamed: theirs are the job's groups
+    every = list_actors(address=URL, limit=10000, detail=True)
+    actors = [a.name or a.actor_id for a in every if a.state != "DEAD"
+              and ((a.name or "").startswith({job!r} + "-") or a.placement_group_id in ids)]
+    groups = [g.name for g in mine if g.state != "REMOVED"]
     if not (actors or groups) or time.time() > deadline:
         break
     time.sleep(0.3)

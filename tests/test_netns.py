@@ -127,10 +127,12 @@ while True:
 def _left_on_the_cluster(dashboard: str, job: str) -> str:
     code = (
         "from ray.util.state import list_actors, list_placement_groups\n"
-        f"a = [x.name for x in list_actors(address={dashboard!r}, limit=10000) if x.state != 'DEAD' "
-        f"and (x.name or '').startswith({job!r})]\n"
-        f"g = [x.name for x in list_placement_groups(address={dashboard!r}, limit=10000) "
-        f"if x.state != 'REMOVED' and (x.name or '').startswith({job!r})]\n"
+        f"mine = [x for x in list_placement_groups(address={dashboard!r}, limit=10000) "
+        f"if (x.name or '').startswith({job!r})]\n"
+        "ids = {x.placement_group_id for x in mine}\n"  # rank actors are unnamed: theirs are the job's groups
+        f"a = [x.name or x.actor_id for x in list_actors(address={dashboard!r}, limit=10000, detail=True) "
+        f"if x.state != 'DEAD' and ((x.name or '').startswith({job!r}) or x.placement_group_id in ids)]\n"
+        "g = [x.name for x in mine if x.state != 'REMOVED']\n"
         "print(a, g)"
     )
     return subprocess.run(

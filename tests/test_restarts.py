@@ -207,10 +207,13 @@ def test_a_lost_node_that_never_returns_fails_clearly(cluster, tmp_path):
 
 
 def wait_for_spares(job: str, count: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Until `count` spares run beside the job's `count` ranks, in its groups (all unnamed)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        alive = list_actors(address=connected(), filters=[("state", "=", "ALIVE")], limit=10000)
-        if sum((a.name or "").startswith(f"{job}-a1-rank") for a in alive) == count:
+        ids = {g["placement_group_id"] for g in ray.util.placement_group_table().values()
+               if g["name"].startswith(f"{job}-node") and g["state"] == "CREATED"}  # fmt: skip
+        alive = list_actors(address=connected(), filters=[("state", "=", "ALIVE")], limit=10000, detail=True)
+        if sum(a.class_name == "RankActor" and a.placement_group_id in ids for a in alive) == 2 * count:
             return
         assert proc.poll() is None, proc.communicate()[0][-4000:]
         time.sleep(0.2)

@@ -17,7 +17,7 @@ from .stop import StopSignal
 
 
 def start_rank_actor(
-    name: str,
+    name: str | None,
     group: Any,
     bundle: int,
     *,
@@ -29,7 +29,11 @@ def start_rank_actor(
     pooled: dict[str, Any] | None = None,
     start_env: Mapping[str, str] | None = None,
 ) -> Any:
-    """One RankActor in bundle `bundle` of placement group `group`, named for `ray list actors`.
+    """One RankActor in bundle `bundle` of placement group `group`. A launch's are unnamed (`name`
+    None): Ray registers a name with the GCS before `.remote()` returns, a round trip per rank (2.7 ms
+    against 1.3 ms unnamed, measured on one node); `ray list actors` shows them by their placement
+    group (`<job>-node<i>`) and their repr (`rank3@10.0.0.9/gpu1`). The warm pool's are named: a
+    later launch finds them by name.
     `pooled`: a warm pool's actor (driver/pool.py), detached, importing as it starts. `start_env`:
     variables its process must have from its start (core/rankenv.startup_env), which Ray gives a
     worker it starts for this runtime environment."""

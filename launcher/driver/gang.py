@@ -196,7 +196,7 @@ class RankGang:
         spec = self.spec
         actors = [
             start_rank_actor(
-                f"{self.name}-rank{s.rank}", self.groups[s.group], s.bundle, job=spec.job_name, rank=s.rank,
+                None, self.groups[s.group], s.bundle, job=spec.job_name, rank=s.rank,
                 node_ip=s.node_ip, num_cpus=spec.cpus_per_rank * self.gpu_share,
                 num_gpus=self.gpu_share if spec.uses_gpus else 0, start_env=self.start_env,
             )

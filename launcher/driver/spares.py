@@ -60,7 +60,7 @@ class SparePool:
         self.gpu_ids = [r.gpu_ids for r in reports]
         self.replaces_pids = [r.pid for r in reports]
         self.actors = [
-            start_rank_actor(f"{name}-rank{s.rank}", groups[s.group], s.bundle, job=job, rank=s.rank,
+            start_rank_actor(None, groups[s.group], s.bundle, job=job, rank=s.rank,
                              node_ip=s.node_ip, num_cpus=0, num_gpus=0,  # the bundle holds the resources
                              start_env=start_env)
             for s in slots
