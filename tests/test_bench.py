@@ -63,3 +63,12 @@ def test_failures_times_rank_death_node_loss_and_a_hang(capsys):
     assert all(len(results[r]) == 1 and results[r][0] > 0 for r in restarts)
     out = capsys.readouterr().out
     assert "NCCL's watchdog" in out and "megaray/torchrun: warm spares" in out
+
+
+def test_ray_assumptions_are_measured(capsys):
+    import ray_assumptions
+
+    results = ray_assumptions.main(["--actors", "20", "--groups", "4", "--repeats", "1"])
+    assert results["held"] == {"default group": False, "own group": True}  # Ray's semantics, not a timing
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("unnamed_ms=") and "own_group_runs=1" in last
