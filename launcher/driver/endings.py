@@ -28,6 +28,7 @@ from .stop import StopSignal
 log = logging.getLogger("megaray")
 
 
+INSPECT_WAIT_S = 60.0  # for every node's reading of its ranks' stacks, together (not per node)
 SALVAGE_WAIT_S = 10.0  # for a dead rank's spool to reach the sink before the report is made
 
 
@@ -167,11 +168,14 @@ class RankWatch:
             for node, ranks in by_node.items()
         }
         seen: dict[int, dict[str, Any]] = {}
+        ready = set(ray.wait(list(refs.values()), num_returns=len(refs), timeout=INSPECT_WAIT_S)[0])
         for node, ref in refs.items():
             try:
-                for r, found in zip(by_node[node], ray.get(ref, timeout=60), strict=True):
+                if ref not in ready:
+                    raise TimeoutError(f"no answer within {INSPECT_WAIT_S:g}s")
+                for r, found in zip(by_node[node], ray.get(ref, timeout=0), strict=True):
                     seen[r] = found
-            except ray.exceptions.RayError as e:
+            except (ray.exceptions.RayError, TimeoutError) as e:
                 log.warning("could not inspect the ranks on node %s: %s", node[:8], first_line(e))
         for ranks, info in group_stacks(seen):
             which = (
