@@ -290,3 +290,57 @@ def test_ranks_waiting_in_the_same_frames_show_one_stack():
     seen[5] = {"pid": 105, "stack": None}
     groups = group_stacks(seen)
     assert [(ranks, info["pid"]) for ranks, info in groups] == [([0, 1, 2, 4, 6, 7], 100), ([3], 103)]
+
+
+# -- megaray's own liveness of the job's nodes -------------------------------------------------------
+def test_a_node_is_lost_after_three_missed_probes_and_four_silent_seconds():
+    from launcher.core.liveness import Liveness
+
+    live = Liveness(["a", "b"], started=0.0)
+    for t in (1.0, 2.0, 3.0):
+        live.answered("a", t)
+        live.missed("b", "no answer within 1s")
+    assert live.lost(3.0) == {}  # three misses, but only 3 s since the start
+    live.missed("b", "no answer within 1s")
+    assert live.lost(4.5) == {"b": (4.5, "no answer within 1s")}
+    live.answered("b", 5.0)  # a node that answers again is no longer lost
+    assert live.lost(5.0) == {}
+    live.missed("a", "Connection refused")  # one refusal is not enough
+    assert live.lost(9.0) == {}
+
+
+def test_probes_tell_an_answering_node_from_a_closed_port_and_a_silent_one():
+    import socket
+    import time
+
+    from launcher.driver.liveness import NodeProbes
+
+    listening = socket.create_server(("127.0.0.1", 0))
+    closed = socket.create_server(("127.0.0.1", 0))
+    closed_port = closed.getsockname()[1]
+    closed.close()
+    # silent as a cut link is: its accept queue full, the kernel drops new connections unanswered
+    full = socket.socket()
+    full.bind(("127.0.0.1", 0))
+    full.listen(0)
+    held = [socket.socket() for _ in range(4)]
+    for c in held:
+        c.setblocking(False)
+        c.connect_ex(full.getsockname())
+    now = [0.0]
+    probes = NodeProbes(
+        {"up": listening.getsockname(), "refusing": ("127.0.0.1", closed_port), "silent": full.getsockname()},
+        clock=lambda: now[0],
+    )
+    try:
+        for _ in range(60):  # 6 s of ticks, a tenth of a second apart
+            lost = probes.tick()
+            time.sleep(0.1)
+            now[0] += 0.1
+        assert set(lost) == {"refusing", "silent"}
+        assert "refused" in lost["refusing"][1] and lost["silent"][1] == "no answer within 1s"
+        assert lost["silent"][0] >= 4.0
+    finally:
+        probes.close()
+        for s in [listening, full, *held]:
+            s.close()

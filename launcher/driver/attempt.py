@@ -53,12 +53,17 @@ class Attempt:
         run: RunDir,
         progress: ProgressView,
         spares_in: SparePool | None,
+        lost_nodes: set[str] | None = None,
     ):
+        """`lost_nodes`: the launch's nodes found lost so far, never placed on again; this attempt adds
+        those it finds."""
         self.spec, self.number, self.stop, self.run, self.progress = spec, number, stop, run, progress
         name = spec.job_name if number == 0 else f"{spec.job_name}-a{number}"
+        self.lost_nodes = lost_nodes if lost_nodes is not None else set()
         self.gang = RankGang(
-            spec, stop, profile=profile, name=name, attempt=number, fixed_size=cluster.fixed_size
-        )
+            spec, stop, profile=profile, name=name, attempt=number, fixed_size=cluster.fixed_size,
+            avoid=frozenset(self.lost_nodes),
+        )  # fmt: skip
         self.spares_in = spares_in  # given by the failed attempt, until adopted or discarded
         self.spares_out: SparePool | None = None  # started for the next attempt
         self.handed_over = False
@@ -105,7 +110,7 @@ class Attempt:
         try:
             self.returns = supervise(
                 self.gang, self.refs, self.stop, relay=self.relay, hang_timeout_s=self.spec.hang_timeout_s,
-                tick=self._tend_spares,
+                tick=self._tick,
             )  # fmt: skip
         except RankFailedError as e:
             self.failure = e
@@ -127,6 +132,11 @@ class Attempt:
         return LaunchResult(
             spec.job_name, spec.world_size, *gang.master, gang.ranks, self.returns, gang.timings
         )
+
+    def _tick(self) -> None:
+        """Every turn of the supervision: the nodes still answer, the next attempt's spares tended."""
+        self.gang.check_nodes()
+        self._tend_spares()
 
     def _tend_spares(self) -> None:
         """Start the next attempt's spares once this one trains (they would compete with its ranks'
@@ -152,6 +162,7 @@ class Attempt:
             self.relay.stop_ranks()
             self.gang.wait_stopped(self.refs, self.spec.kill_grace_s)
         self.gang.teardown(keep_groups=self.handed_over)
+        self.lost_nodes |= self.gang.lost_nodes
         if not self.succeeded and self.relay is not None and self.relay.sink is not None:
             self.gang.collect_output(self.failure)
         if self.spares_in is not None:  # given, but stopped before adopting them

@@ -23,6 +23,7 @@ from ..core.topology import RankReport, format_rank_ranges
 from ..rank.spool import exit_and_ship, exit_mark, ship, spool_name
 from .actors import first_line, on_node, wait_all
 from .handle import RankHandle, failure_site
+from .liveness import NodeProbes
 from .stop import StopSignal
 
 log = logging.getLogger("megaray")
@@ -100,11 +101,37 @@ class RankWatch:
     nodes are lost, whose last output is being shipped, what a returned rank's process still runs.
     The gang's supervise reads outcomes and hangs here; its teardown asks for the last words."""
 
-    def __init__(self, handles: tuple[RankHandle, ...], sink: Any):
+    def __init__(self, handles: tuple[RankHandle, ...], sink: Any, probes: NodeProbes | None = None):
         self.handles, self.sink = handles, sink  # no sink: a rank group, whose output Ray streams
+        self.probes = probes  # megaray's own liveness probes of the nodes (driver/liveness.py)
         self.lost: dict[str, bool] = {}  # node id -> gone, asked once per node as its ranks die
         self.salvaging: dict[int, Any] = {}  # rank -> the task shipping a dead rank's spool
         self.lingering: dict[int, list[str]] = {}  # what each returned rank's process still runs
+
+    def check_nodes(self) -> None:
+        """Raise RankFailedError for the ranks of every node the probes found lost: a cut link or a
+        dead machine is told within seconds, not when Ray's health checks give up on it (about a
+        minute with Ray's defaults), while the ranks still wait on it in their collectives."""
+        lost = self.probes.tick() if self.probes is not None else {}
+        if not lost:
+            return
+        failures, at = [], time.time()
+        for node_id, (silent_s, why) in lost.items():
+            self.lost[node_id] = True
+            on_node = [h for h in self.handles if h.report.node_id == node_id]
+            ranks = format_rank_ranges(h.slot.rank for h in on_node)
+            summary = (
+                f"its node {on_node[0].slot.node_ip} (node id {node_id[:8]}) was lost: no answer from it for "
+                f"{silent_s:.0f}s ({why}: a cut link or a dead machine); it took rank(s) {ranks} with it"
+            )
+            failures += [
+                RankFailure(**failure_site(h), kind=FailureKind.DIED, summary=summary, at=at) for h in on_node
+            ]
+        raise RankFailedError(failures, len(self.handles))
+
+    def close(self) -> None:
+        if self.probes is not None:
+            self.probes.close()
 
     def outcome(self, ref: Any, rank: int) -> tuple[bool, Any]:
         """(True, what the rank returned) or (False, its RankFailure)."""

@@ -39,6 +39,7 @@ from .cluster import check_versions
 from .endings import RankWatch, spool_path
 from .handle import RankHandle, RankInfo
 from .links import check_rendezvous
+from .liveness import NodeProbes, raylet_addresses
 from .sources import Placed, rank_sources
 from .spares import SparePool
 from .stop import StopSignal
@@ -67,8 +68,10 @@ class RankGang:
         fixed_size: bool = False,
         gpu_share: float = 1.0,
         host: RankGang | None = None,
+        avoid: frozenset[str] = frozenset(),
     ):
         self.spec, self.stop, self.profile = spec, stop, profile
+        self.avoid = avoid  # nodes an earlier attempt found lost: never placed on again
         self.name, self.attempt, self.fixed_size = name, attempt, fixed_size
         self.gpu_share, self.host = gpu_share, host
         # what every rank's process must have from its start (PYTHONHASHSEED, LD_PRELOAD, ...)
@@ -140,7 +143,7 @@ class RankGang:
         host = (self.host.groups, self.host.slots) if self.host is not None else None
         sources = rank_sources(
             spec, self.name, self.stop, first=self.attempt == 0, fixed_size=self.fixed_size,
-            start_env=self.start_env, spares=spares, host=host,
+            start_env=self.start_env, spares=spares, host=host, avoid=self.avoid,
         )  # fmt: skip
         placed = next(p for p in (source.take() for source in sources) if p is not None)
         self.placed, self.groups, self.slots = placed, placed.groups, placed.slots
@@ -165,7 +168,9 @@ class RankGang:
                 self.slots, self.actors, self.reports, decisions, replaced, strict=True
             )
         )
-        self.watch = RankWatch(self.handles, sink)
+        # a launch probes its nodes itself; a rank group's calls are short, and Ray's checks suffice
+        probes = NodeProbes(raylet_addresses({r.node_id for r in self.reports})) if sink is not None else None
+        self.watch = RankWatch(self.handles, sink, probes)
         refs = [
             h.actor.setup.remote(
                 h.env.to_set,
@@ -236,6 +241,14 @@ class RankGang:
     def inspect_hang(self, idle_s: float) -> list[RankFailure]:
         return self.watch.inspect_hang(idle_s)
 
+    def check_nodes(self) -> None:
+        """Raises RankFailedError when a node of this gang stopped answering (endings.py)."""
+        self.watch.check_nodes()
+
+    @property
+    def lost_nodes(self) -> set[str]:
+        return {node for node, gone in self.watch.lost.items() if gone}
+
     def collect_output(self, error: RankFailedError | None) -> None:
         """After a failed or stopped attempt: what the ranks printed last (endings.py)."""
         self.watch.last_words(error)
@@ -259,6 +272,7 @@ class RankGang:
     def teardown(self, *, keep_groups: bool = False) -> None:
         """Kill every rank; remove the groups unless they are kept (handed over with warm spares) or
         belong to the host gang; release the port."""
+        self.watch.close()
         kill_actors(self.actors)
         if self.placed is not None and self.placed.owns_groups and not keep_groups:
             placement.remove_groups(self.groups)

@@ -70,10 +70,13 @@ def _launch(spec: LaunchSpec, exits_after: bool) -> LaunchResult:
                 names = ", ".join(k for k, _ in spec.forwarded)
                 log.info("every rank gets these variables of this shell (values not shown): %s", names)
             first_target = runner.first_target(spec, plan)
+            lost_nodes: set[str] = set()  # found by any attempt, avoided by the next
 
             def new_attempt(k: int, spares: SparePool | None) -> Attempt:
                 target = first_target if k == 0 else runner.resume_target(first_target, plan)
-                return Attempt(replace(spec, target=target), k, cluster, profile, stop, run, progress, spares)
+                return Attempt(
+                    replace(spec, target=target), k, cluster, profile, stop, run, progress, spares, lost_nodes
+                )
 
             controller = Controller(
                 FailurePolicy(spec.max_restarts), new_attempt, placement_timeout_s=spec.placement_timeout_s,

@@ -101,10 +101,13 @@ def check_name_free(job: str) -> None:
         )
 
 
-def create_groups(spec: LaunchSpec, name: str | None = None, detached: bool = False) -> list[PlacementGroup]:
+def create_groups(
+    spec: LaunchSpec, name: str | None = None, detached: bool = False, exclude: tuple[str, ...] = ()
+) -> list[PlacementGroup]:
     """All groups are requested before any is waited on, so they are scheduled together."""
     return [
-        create_group(spec, f"{name or spec.job_name}-node{i}", detached=detached) for i in range(spec.nodes)
+        create_group(spec, f"{name or spec.job_name}-node{i}", list(exclude), detached=detached)
+        for i in range(spec.nodes)
     ]
 
 
@@ -156,13 +159,15 @@ FIXED_SIZE_WAIT_S = 10.0  # on a cluster megaray started itself (no autoscaler, 
 
 
 def place_groups(
-    spec: LaunchSpec, name: str, stop: StopSignal, fixed_size: bool, detached: bool = False
-) -> list[PlacementGroup]:
+    spec: LaunchSpec, name: str, stop: StopSignal, fixed_size: bool, detached: bool = False,
+    exclude: tuple[str, ...] = (),
+) -> list[PlacementGroup]:  # fmt: skip
     """One group per node, each on a Ray node of its own, waited for up to --placement-timeout.
 
     All groups are requested at once, so that they are scheduled together; Ray keeps no two
     STRICT_PACK groups apart, so the groups that landed on a node another group holds are placed again,
-    all in one round, with the nodes of the others excluded by label (`ray.io/node-id`).
+    all in one round, with the nodes of the others excluded by label (`ray.io/node-id`). `exclude`:
+    nodes never to use (found lost by megaray before Ray's health checks tell).
     """
     problem = feasibility_problem(spec)
     if problem and fixed_size:
@@ -184,12 +189,12 @@ def place_groups(
     # bundles of a launch that just ended take to be freed only delays the error.
     wait_s = min(spec.placement_timeout_s, FIXED_SIZE_WAIT_S) if fixed_size else spec.placement_timeout_s
     deadline = time.monotonic() + wait_s
-    groups = create_groups(spec, name, detached)
+    groups = create_groups(spec, name, detached, exclude)
     try:
         _wait_placed(groups, deadline, stop)
         while shared := repeats(nodes := nodes_of(groups)):
             remove_groups([groups[i] for i in shared])
-            kept = [n for i, n in enumerate(nodes) if i not in shared]
+            kept = [n for i, n in enumerate(nodes) if i not in shared] + list(exclude)
             for i in shared:
                 groups[i] = create_group(spec, f"{name}-node{i}", exclude_nodes=kept, detached=detached)
             _wait_placed(groups, deadline, stop)

@@ -58,8 +58,13 @@ class RankSource(Protocol):
 class FromSpares:
     spares: SparePool
     stop: StopSignal
+    avoid: frozenset[str] = frozenset()
 
     def take(self) -> Placed | None:
+        if lost := sorted({s.node_ip for s in self.spares.slots if s.node_id in self.avoid}):
+            log.warning("the warm spares on %s are on a lost node: placing every rank anew", ", ".join(lost))
+            self.spares.discard(groups=True)
+            return None
         try:
             reports = self.spares.take_over(self.stop)
         except SparesUnusable as e:
@@ -96,15 +101,18 @@ class FromPool:
 
 @dataclass
 class Fresh:
-    """A placement group per node on distinct nodes (placement.place_groups)."""
+    """A placement group per node on distinct nodes (placement.place_groups), none on `avoid`."""
 
     spec: LaunchSpec
     name: str
     stop: StopSignal
     fixed_size: bool
+    avoid: frozenset[str] = frozenset()
 
     def take(self) -> Placed:
-        groups = placement.place_groups(self.spec, self.name, self.stop, self.fixed_size)
+        groups = placement.place_groups(
+            self.spec, self.name, self.stop, self.fixed_size, exclude=tuple(sorted(self.avoid))
+        )
         slots = assign_ranks(order_nodes(placement.resolve_nodes(groups)), self.spec.gpus_per_node)
         return Placed(Source.FRESH, groups, slots)
 
@@ -112,16 +120,16 @@ class Fresh:
 def rank_sources(
     spec: LaunchSpec, name: str, stop: StopSignal, *, first: bool, fixed_size: bool,
     start_env: dict[str, str], spares: SparePool | None = None,
-    host: tuple[list, list[RankSlot]] | None = None,
+    host: tuple[list, list[RankSlot]] | None = None, avoid: frozenset[str] = frozenset(),
 ) -> list[RankSource]:  # fmt: skip
     """In the order they are tried. The pool serves only a launch's first attempt (a relaunch has its
     spares, or places anew), and a first attempt's job name must be free on the cluster."""
     sources: list[RankSource] = []
     if spares is not None:
-        sources.append(FromSpares(spares, stop))
+        sources.append(FromSpares(spares, stop, avoid))
     if host is not None:
         return [*sources, FromHost(*host)]
     if first:
         placement.check_name_free(spec.job_name)
         sources.append(FromPool(spec, stop, start_env))
-    return [*sources, Fresh(spec, name, stop, fixed_size)]
+    return [*sources, Fresh(spec, name, stop, fixed_size, avoid)]
