@@ -183,15 +183,34 @@ def _report_end(info, tail: str) -> int:
     return code
 
 
+AGENT_WAIT_S = 30.0  # for a head just started: its job agent registers a few seconds after its dashboard
+
+
+def _submit(client, spec: SubmitSpec) -> str:
+    """Ray's dashboard answers "No available agent to submit job, please try again later" until a
+    node's job agent has registered (seconds after `ray start`): it is tried again, as it says."""
+    deadline = time.monotonic() + AGENT_WAIT_S
+    for attempt in range(10**6):
+        try:
+            return client.submit_job(
+                entrypoint=job_entrypoint(spec),
+                submission_id=spec.submission_id,
+                runtime_env=dict(spec.runtime_env) or None,
+                metadata=job_metadata(spec),
+            )
+        except RuntimeError as e:
+            if "No available agent" not in str(e) or time.monotonic() > deadline:
+                raise
+            if not attempt:
+                log.info("the cluster's job agent is not up yet: trying again for up to %.0f s", AGENT_WAIT_S)
+            time.sleep(1.0)
+    raise AssertionError("unreachable")
+
+
 def submit(spec: SubmitSpec) -> int:
     client = _client(spec.address)
     try:
-        job = client.submit_job(
-            entrypoint=job_entrypoint(spec),
-            submission_id=spec.submission_id,
-            runtime_env=dict(spec.runtime_env) or None,
-            metadata=job_metadata(spec),
-        )
+        job = _submit(client, spec)
     except RuntimeError as e:
         if "already exists" in str(e):
             raise UsageError(

@@ -264,9 +264,12 @@ class RankGang:
             raise RankFailedError(crashed, self.world_size)
 
     def wait_stopped(self, refs: list, grace_s: float) -> None:
-        """After a stop: give the ranks still running `grace_s` to end on their SIGTERM."""
+        """After a stop: give the ranks still running `grace_s` to end on their SIGTERM; not those on a
+        lost node, which no signal reaches and whose end Ray tells only when it gives the node up."""
+        lost = self.lost_nodes
+        alive = [ref for ref, r in zip(refs, self.reports, strict=True) if r.node_id not in lost]
         with contextlib.suppress(Interrupted):  # a second Ctrl-C: kill at once
-            wait_all(refs, grace_s, self.stop)
+            wait_all(alive, grace_s, self.stop)
 
     # -- end --------------------------------------------------------------------------------------
     def teardown(self, *, keep_groups: bool = False) -> None:
