@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import os
 import signal
@@ -190,7 +191,7 @@ def _submit(client, spec: SubmitSpec) -> str:
     """Ray's dashboard answers "No available agent to submit job, please try again later" until a
     node's job agent has registered (seconds after `ray start`): it is tried again, as it says."""
     deadline = time.monotonic() + AGENT_WAIT_S
-    for attempt in range(10**6):
+    for attempt in itertools.count():
         try:
             return client.submit_job(
                 entrypoint=job_entrypoint(spec),
@@ -204,7 +205,7 @@ def _submit(client, spec: SubmitSpec) -> str:
             if not attempt:
                 log.info("the cluster's job agent is not up yet: trying again for up to %.0f s", AGENT_WAIT_S)
             time.sleep(1.0)
-    raise AssertionError("unreachable")
+    raise AssertionError("unreachable")  # itertools.count() does not end
 
 
 def submit(spec: SubmitSpec) -> int:
