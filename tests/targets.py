@@ -110,3 +110,29 @@ def whoami(tag=None):
 
 def item_and_rank(item):
     return {"item": item, "rank": int(os.environ["RANK"])}
+
+
+def busy_then_frozen():
+    """What is not a lost node: every rank busy on the CPU for 6 s (the machine at 100%), then rank 1
+    stopped (SIGSTOP) for 6 s by rank 0 and let go (SIGCONT); longer than megaray's probes allow a
+    node to stay silent (core/liveness.py), and nothing here is silent to them."""
+    import signal
+
+    out = Path(os.environ["MEGARAY_TEST_OUT"])
+    out.mkdir(parents=True, exist_ok=True)
+    rank = int(os.environ["RANK"])
+    end = time.monotonic() + 6
+    while time.monotonic() < end:  # the interpreter busy, not in any wait
+        sum(i * i for i in range(10_000))
+    if rank == 1:
+        (out / "frozen-pid").write_text(str(os.getpid()))
+        time.sleep(8)  # stopped in here by rank 0, for 6 s of it
+    else:
+        pid_file = out / "frozen-pid"
+        while not pid_file.exists():
+            time.sleep(0.05)
+        pid = int(pid_file.read_text())
+        os.kill(pid, signal.SIGSTOP)
+        time.sleep(6)
+        os.kill(pid, signal.SIGCONT)
+    return rank
