@@ -297,16 +297,27 @@ def test_a_node_is_lost_after_three_missed_probes_and_four_silent_seconds():
     from launcher.core.liveness import Liveness
 
     live = Liveness(["a", "b"], started=0.0)
+    live.answered("b", 0.5)
     for t in (1.0, 2.0, 3.0):
         live.answered("a", t)
         live.missed("b", "no answer within 1s")
     assert live.lost(3.0) == {}  # three misses, but only 3 s since the start
     live.missed("b", "no answer within 1s")
-    assert live.lost(4.5) == {"b": (4.5, "no answer within 1s")}
+    assert live.lost(4.5) == {"b": (4.0, "no answer within 1s")}  # silent since it answered at 0.5
     live.answered("b", 5.0)  # a node that answers again is no longer lost
     assert live.lost(5.0) == {}
     live.missed("a", "Connection refused")  # one refusal is not enough
     assert live.lost(9.0) == {}
+
+
+def test_a_node_that_never_answered_is_left_to_ray_and_said_so():
+    """A firewall between the driver and a raylet's port must not end every run after 4 s."""
+    from launcher.core.liveness import Liveness
+
+    live = Liveness(["walled"], started=0.0)
+    for _ in range(5):
+        live.missed("walled", "no answer within 1s")
+    assert live.lost(60.0) == {} and live.unprobed() == {"walled": "no answer within 1s"}
 
 
 def test_probes_tell_an_answering_node_from_a_closed_port_and_a_silent_one():
@@ -316,24 +327,26 @@ def test_probes_tell_an_answering_node_from_a_closed_port_and_a_silent_one():
     from launcher.driver.liveness import NodeProbes
 
     listening = socket.create_server(("127.0.0.1", 0))
-    closed = socket.create_server(("127.0.0.1", 0))
-    closed_port = closed.getsockname()[1]
-    closed.close()
+    refusing = socket.create_server(("127.0.0.1", 0))
     # silent as a cut link is: its accept queue full, the kernel drops new connections unanswered
     full = socket.socket()
     full.bind(("127.0.0.1", 0))
     full.listen(0)
-    held = [socket.socket() for _ in range(4)]
-    for c in held:
-        c.setblocking(False)
-        c.connect_ex(full.getsockname())
+    held: list[socket.socket] = []
     now = [0.0]
     probes = NodeProbes(
-        {"up": listening.getsockname(), "refusing": ("127.0.0.1", closed_port), "silent": full.getsockname()},
+        {"up": listening.getsockname(), "refusing": refusing.getsockname(), "silent": full.getsockname()},
         clock=lambda: now[0],
     )
     try:
-        for _ in range(60):  # 6 s of ticks, a tenth of a second apart
+        for tick in range(60):  # 6 s of ticks, a tenth of a second apart
+            if tick == 5:  # every node answered once: then "silent" goes silent, "refusing" closes
+                assert probes.liveness.lost(now[0]) == {} and not probes.liveness.unprobed()
+                refusing.close()
+                for _ in range(4):
+                    held.append(socket.socket())
+                    held[-1].setblocking(False)
+                    held[-1].connect_ex(full.getsockname())
             lost = probes.tick()
             time.sleep(0.1)
             now[0] += 0.1

@@ -5,7 +5,9 @@ not Ray's health checks: with Ray's defaults a node whose link is cut is declare
 A probe is a TCP connection to the node's raylet port: the kernel answers it whatever the raylet or
 the ranks are doing (a node at 100% CPU, a rank in a 60 s C call, a long checkpoint write, a stopped
 process), so only a node or link that is gone misses it. A node is lost after `misses` probes in a
-row went unanswered (timed out or refused) and none succeeded for `after_s`.
+row went unanswered (timed out or refused) and none succeeded for `after_s`. A node that never
+answered is never lost by this rule (a firewall may keep the driver from its raylet's port while Ray
+works): it is left to Ray's health checks, and said once (`unprobed`).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ class _Node:
     last_ok: float
     misses: int = 0
     why: str = ""
+    answered: bool = False
 
 
 @dataclass
@@ -43,7 +46,7 @@ class Liveness:
         self._seen = {n: _Node(self.started) for n in self.nodes}
 
     def answered(self, node: str, now: float) -> None:
-        self._seen[node] = _Node(now)
+        self._seen[node] = _Node(now, answered=True)
 
     def missed(self, node: str, why: str) -> None:
         seen = self._seen[node]
@@ -55,5 +58,9 @@ class Liveness:
         return {
             n: (now - s.last_ok, s.why)
             for n, s in self._seen.items()
-            if s.misses >= self.misses and now - s.last_ok >= self.after_s
+            if s.answered and s.misses >= self.misses and now - s.last_ok >= self.after_s
         }
+
+    def unprobed(self) -> dict[str, str]:
+        """node -> what its probes met, for the nodes that never answered one after `misses` tries."""
+        return {n: s.why for n, s in self._seen.items() if not s.answered and s.misses >= self.misses}

@@ -5,6 +5,7 @@ supervision loop, so a thousand nodes cost a thousand sockets a second and no th
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import selectors
 import socket
@@ -12,6 +13,8 @@ import time
 from collections.abc import Callable
 
 from ..core.liveness import PROBE_EVERY_S, PROBE_TIMEOUT_S, Liveness
+
+log = logging.getLogger("megaray")
 
 
 def raylet_addresses(node_ids: set[str]) -> dict[str, tuple[str, int]]:
@@ -34,6 +37,7 @@ class NodeProbes:
         self.next_at = dict.fromkeys(addresses, now)
         self.inflight: dict[str, tuple[socket.socket, float]] = {}
         self.selector = selectors.DefaultSelector()
+        self.told: set[str] = set()  # the unprobed nodes said so
 
     def tick(self) -> dict[str, tuple[float, str]]:
         """Start the probes due, read those answered or timed out; the nodes lost so far."""
@@ -54,6 +58,15 @@ class NodeProbes:
             if now - started >= PROBE_TIMEOUT_S:
                 self._end(node)[0].close()
                 self.liveness.missed(node, f"no answer within {PROBE_TIMEOUT_S:g}s")
+        for node, why in self.liveness.unprobed().items():
+            if node not in self.told:
+                self.told.add(node)
+                ip, port = self.addresses[node]
+                log.warning(
+                    "node %s (node id %s): its raylet's port %d never answered this driver (%s): a lost node "
+                    "there is left to Ray's health checks (about a minute with their defaults)",
+                    ip, node[:8], port, why,
+                )  # fmt: skip
         return self.liveness.lost(now)
 
     def _start(self, node: str, ip: str, port: int, now: float) -> None:
