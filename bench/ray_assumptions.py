@@ -24,23 +24,6 @@ from common import median
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 
-class _Waiter:
-    def __init__(self):
-        self.event: asyncio.Event | None = None
-
-    async def wait(self) -> None:
-        self.event = self.event or asyncio.Event()
-        await self.event.wait()
-
-    @ray.method(concurrency_group="control")
-    async def wait_in_group(self) -> None:
-        self.event = self.event or asyncio.Event()
-        await self.event.wait()
-
-    async def ping(self) -> str:
-        return "pong"
-
-
 def actor_creation(n: int, repeats: int) -> dict[str, float]:
     """Milliseconds per `.remote()` of an actor that is never scheduled (so no process starts)."""
 
@@ -65,20 +48,44 @@ def actor_creation(n: int, repeats: int) -> dict[str, float]:
 def held_by_waits(slots: int) -> dict[str, bool]:
     """Whether a call runs while `slots` waits are pending, with the waits in the default group or
     in a group of their own."""
+
+    class Waiter:  # defined here, so that it is sent by value: the workers cannot import bench/
+        def __init__(self):
+            self.event: asyncio.Event | None = None
+
+        async def wait(self) -> None:
+            self.event = self.event or asyncio.Event()
+            await self.event.wait()
+
+        @ray.method(concurrency_group="control")
+        async def wait_in_group(self) -> None:
+            self.event = self.event or asyncio.Event()
+            await self.event.wait()
+
+        async def ping(self) -> str:
+            return "pong"
+
     out = {}
-    plain = ray.remote(concurrency_groups={"control": 1})(_Waiter).options(max_concurrency=slots).remote()
+    plain = ray.remote(concurrency_groups={"control": 1})(Waiter).options(max_concurrency=slots).remote()
     waits = [plain.wait.remote() for _ in range(slots)]
     time.sleep(1)
-    out["default group"] = bool(ray.wait([plain.ping.remote()], timeout=3)[0])
+    out["default group"] = _pong(plain)
     grouped = (
-        ray.remote(concurrency_groups={"control": slots + 1})(_Waiter).options(max_concurrency=slots).remote()
+        ray.remote(concurrency_groups={"control": slots + 1})(Waiter).options(max_concurrency=slots).remote()
     )
     waits += [grouped.wait_in_group.remote() for _ in range(slots)]
     time.sleep(1)
-    out["own group"] = bool(ray.wait([grouped.ping.remote()], timeout=3)[0])
+    out["own group"] = _pong(grouped)
     for a in (plain, grouped):
         ray.kill(a)
     return out
+
+
+def _pong(actor) -> bool:
+    """Whether a call to `actor` answered within 3 s (an error, such as the actor failing to start,
+    is not an answer)."""
+    ref = actor.ping.remote()
+    return bool(ray.wait([ref], timeout=3)[0]) and ray.get(ref) == "pong"
 
 
 def group_table(n: int, repeats: int) -> dict[str, float]:
@@ -109,7 +116,7 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     started = not ray.is_initialized()
     if started:
-        ray.init(num_cpus=2, include_dashboard=False, logging_level="ERROR")
+        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
     try:
         created = actor_creation(args.actors, args.repeats)
         held = held_by_waits(args.slots)

@@ -467,7 +467,8 @@ if rank == 1:  # fails once rank 0 is ready for the SIGTERM that follows (its ha
     raise SystemExit(3)
 if len(sys.argv) > 2:  # a handler of its own, as Megatron-Bridge's checkpoint-on-SIGTERM
     def handler(signum, frame):
-        open(os.path.join(out, "handled"), "w").write(str(signum))
+        with open(os.path.join(out, "handled"), "a") as f:  # once: appended if it ran again
+            f.write(f"{signum}\\n")
         sys.exit(143)
     signal.signal(signal.SIGTERM, handler)
 open(os.path.join(out, "pid"), "w").write(str(os.getpid()))
@@ -486,7 +487,7 @@ def test_surviving_ranks_get_sigterm_before_the_kill(tmp_path, capsys, own_handl
     assert "exited with code 3" in capsys.readouterr().err
     assert (out / "handled").exists() == own_handler  # the program's own handler ran before the kill
     if own_handler:
-        assert (out / "handled").read_text() == str(int(signal.SIGTERM))
+        assert (out / "handled").read_text() == f"{int(signal.SIGTERM)}\n"  # once, not again into the kill
     assert leftovers("stopprobe") == ([], [])
 
 

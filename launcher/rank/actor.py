@@ -197,7 +197,10 @@ class RankActor:
         """Run the target to completion; a failure comes back as data with its traceback. A program
         that returns while non-daemon threads run or with atexit handlers registered is reported as
         lingering: its process must end on its own, as a Python process does, not be killed."""
+        before = signal.getsignal(signal.SIGTERM)
         result = self.call(runner.run, (target, cwd), {}, noise=runner.own_files())
+        if not result.ok:
+            _restore(signal.SIGTERM, before)
         if result.ok:
             if self.capture is not None:
                 self.capture.end_control()
@@ -227,6 +230,16 @@ class RankActor:
             flush_streams()
             if self.capture is not None:
                 self.capture.sync()  # the driver has every line of this rank before its result
+
+
+def _restore(signum: int, handler: Any) -> None:
+    """After a program ended in a failure, its own signal handler goes: the teardown that follows
+    (Ray's kill of this process) must not run it again, as no signal reaches a torchrun worker whose
+    program has ended (a SIGTERM handler that saved a checkpoint and exited ran a second time, into
+    the kill)."""
+    with contextlib.suppress(ValueError, TypeError):  # not the main thread; a handler set from C
+        if handler is not None and signal.getsignal(signum) is not handler:
+            signal.signal(signum, handler)
 
 
 def lingering(atexit_before: int) -> list[str]:
