@@ -119,10 +119,8 @@ class RankWatch:
         for node_id, (silent_s, why) in lost.items():
             self.lost[node_id] = True
             on_node = [h for h in self.handles if h.report.node_id == node_id]
-            ranks = format_rank_ranges(h.slot.rank for h in on_node)
-            summary = (
-                f"its node {on_node[0].slot.node_ip} (node id {node_id[:8]}) was lost: no answer from it for "
-                f"{silent_s:.0f}s ({why}: a cut link or a dead machine); it took rank(s) {ranks} with it"
+            summary = self._lost_summary(
+                node_id, f"no answer from it for {silent_s:.0f}s ({why}: a cut link or a dead machine)"
             )
             failures += [
                 RankFailure(**failure_site(h), kind=FailureKind.DIED, summary=summary, at=at) for h in on_node
@@ -164,9 +162,14 @@ class RankWatch:
             lost[node_id] = node_lost(node_id)
         if not lost[node_id]:
             return describe_death(ray_message)
-        ranks = format_rank_ranges(x.slot.rank for x in self.handles if x.report.node_id == node_id)
-        node = f"{h.slot.node_ip} (node id {node_id[:8]})"
-        return f"its node {node} was lost: its raylet no longer answers; it took rank(s) {ranks} with it"
+        return self._lost_summary(node_id, "its raylet no longer answers")
+
+    def _lost_summary(self, node_id: str, how: str) -> str:
+        """The failure of every rank of a lost node, however it was found lost."""
+        on_node = [h for h in self.handles if h.report.node_id == node_id]
+        ranks = format_rank_ranges(h.slot.rank for h in on_node)
+        node = f"{on_node[0].slot.node_ip} (node id {node_id[:8]})"
+        return f"its node {node} was lost: {how}; it took rank(s) {ranks} with it"
 
     def _salvage(self, handle: RankHandle) -> Any:
         """Start shipping a dead rank's spool from its node: what its process wrote last."""
@@ -186,13 +189,11 @@ class RankWatch:
 
         handles = self.handles
         log.error("no output or progress from any rank for %.0fs: reading every rank's stack", idle_s)
-        by_node: dict[str, list[int]] = {}
-        for h in handles:
-            by_node.setdefault(h.report.node_id, []).append(h.slot.rank)
+        by_node = _by_node(handles)
         task = ray.remote(inspect_processes)
         refs = {
-            node: task.options(**on_node(node)).remote([handles[r].report.pid for r in ranks])
-            for node, ranks in by_node.items()
+            node: task.options(**on_node(node)).remote([h.report.pid for h in hs])
+            for node, hs in by_node.items()
         }
         seen: dict[int, dict[str, Any]] = {}
         ready = set(ray.wait(list(refs.values()), num_returns=len(refs), timeout=INSPECT_WAIT_S)[0])
@@ -200,8 +201,8 @@ class RankWatch:
             try:
                 if ref not in ready:
                     raise TimeoutError(f"no answer within {INSPECT_WAIT_S:g}s")
-                for r, found in zip(by_node[node], ray.get(ref, timeout=0), strict=True):
-                    seen[r] = found
+                for h, found in zip(by_node[node], ray.get(ref, timeout=0), strict=True):
+                    seen[h.slot.rank] = found
             except (ray.exceptions.RayError, TimeoutError) as e:
                 log.warning("could not inspect the ranks on node %s: %s", node[:8], first_line(e))
         for ranks, info in group_stacks(seen):

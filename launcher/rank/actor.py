@@ -201,11 +201,10 @@ class RankActor:
         result = self.call(runner.run, (target, cwd), {}, noise=runner.own_files())
         if not result.ok:
             _restore(signal.SIGTERM, before)
-        if result.ok:
-            if self.capture is not None:
-                self.capture.end_control()
-            result = replace(result, lingering=tuple(lingering(self.atexit_before)))
-        return result
+            return result
+        if self.capture is not None:
+            self.capture.end_control()
+        return replace(result, lingering=tuple(lingering(self.atexit_before)))
 
     def call(self, fn, args: tuple, kwargs: dict, noise: tuple[str, ...] = ()) -> RankOutcome:
         """Run `fn(*args, **kwargs)` here (a rank group's method call), failures as data; tracebacks
