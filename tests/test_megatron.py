@@ -76,6 +76,16 @@ def test_llama_and_qwen_have_the_model_card_values(configs):
     assert configs["qwen3_8b"].tokenizer.tokenizer_type == "NullTokenizer"
 
 
+def test_without_te_the_precision_aware_optimizer_falls_back_to_megatrons_adam():
+    # qwen3_8b asks for TE's FusedAdam; without TE every rank raised at its first step (GPU suite).
+    assert not compat.te_installed()
+    cfg, notes = build_config(load_recipe("qwen3_8b"), [])
+    assert cfg.optimizer.use_precision_aware_optimizer is False
+    assert "no TransformerEngine here: optimizer.use_precision_aware_optimizer=False" in notes
+    # and its loss is TE's fused cross entropy ("Trying to use a TE block when it's not present")
+    assert cfg.model.cross_entropy_loss_fusion is False
+
+
 def test_flops_per_token_is_megatrons_formula_for_llama3_8b_at_8192():
     # Published figure: about 51.5e9 FLOPs per token (forward + backward, attention counted causal):
     # 6 x 6.98e9 non-embedding parameters + the output layer + causal attention 6 x L x h x s.

@@ -102,7 +102,8 @@ def build_config(recipe: Recipe, overrides: list[str], hf_path: str | None = Non
         if compat.te_installed()
         else "no TransformerEngine here"
     )
-    notes = [f"{why}: {c}" for c in compat.adapt_model_without_te(cfg.model)]
+    changed = compat.adapt_model_without_te(cfg.model) + compat.adapt_optimizer_without_te(cfg.optimizer)
+    notes = [f"{why}: {c}" for c in changed]
     return cfg, notes
 
 

@@ -31,6 +31,7 @@ FUSIONS_NEEDING_KERNELS = (
     "apply_rope_fusion",
     "gradient_accumulation_fusion",
     "persist_layer_norm",
+    "cross_entropy_loss_fusion",  # with cross_entropy_fusion_impl="te" (Qwen3), TE's kernel
 )
 
 
@@ -138,6 +139,15 @@ def adapt_model_without_te(model: Any) -> list[str]:
             setattr(model, name, False)
             changed.append(f"{name}=False")
     return changed
+
+
+def adapt_optimizer_without_te(optimizer: Any) -> list[str]:
+    """The precision-aware optimizer is TE's FusedAdam: where TE is absent, Megatron's own Adam (as
+    bridge's own H100 Llama recipes set it) instead of a RuntimeError at the first step of every rank."""
+    if te_installed() or not getattr(optimizer, "use_precision_aware_optimizer", False):
+        return []
+    optimizer.use_precision_aware_optimizer = False
+    return ["optimizer.use_precision_aware_optimizer=False"]
 
 
 def skip_compile_helpers_if_prebuilt() -> bool:
