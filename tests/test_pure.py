@@ -316,6 +316,14 @@ def test_root_cause_is_the_earliest_failure_and_the_report_shows_its_traceback()
     assert RankFailedError([late, died], world_size=8).root is died  # peers' connection errors come first
 
 
+def test_a_hang_with_a_stopped_rank_waits_no_kill_grace_for_it():
+    """A SIGSTOPped (or zombie, or D-state) rank cannot act on SIGTERM: the teardown did wait out
+    --kill-grace for it (hang to exit 7 s instead of 3.5 s past --hang-timeout 3)."""
+    stopped = RankFailure(1, "10.0.0.2", "h1", "-", "hung", "no output; process stopped (SIGSTOP)", at=1.0)
+    waiting = RankFailure(0, "10.0.0.1", "h0", "-", "waiting", "no output; process sleeping", at=1.0)
+    assert RankFailedError([waiting, stopped], world_size=2).beyond_signals() == {1}
+
+
 def test_the_report_names_what_torchrun_names_of_the_root_cause():
     """torchrun's root cause: time, host, rank and local rank, exit code and pid, the error file."""
     import time

@@ -126,6 +126,11 @@ class RankFailedError(MegarayError):
     def __reduce__(self):  # crosses process boundaries (Ray tasks, multiprocessing) intact
         return (RankFailedError, (self.failures, self.world_size, self.ending))
 
+    def beyond_signals(self) -> set[int]:
+        """Ranks whose process cannot act on a SIGTERM (stopped, a zombie, stuck in the kernel): a kill
+        grace would only be waited out for them."""
+        return {f.rank for f in self.failures if f.kind == FailureKind.HUNG}
+
     def amend(self, failures: list[RankFailure]) -> None:
         """The same failures, told more fully (a dead rank's last output, read after the fact)."""
         RankFailedError.__init__(self, failures, self.world_size, self.ending)

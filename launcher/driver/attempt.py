@@ -160,7 +160,8 @@ class Attempt:
         it, as torchrun's do; then every actor is killed and the groups removed (unless handed over)."""
         if not self.succeeded and self.refs and self.relay is not None:
             self.relay.stop_ranks()
-            self.gang.wait_stopped(self.refs, self.spec.kill_grace_s)
+            frozen = self.failure.beyond_signals() if self.failure is not None else set()
+            self.gang.wait_stopped(self.refs, self.spec.kill_grace_s, frozen)
         self.gang.teardown(keep_groups=self.handed_over)
         self.lost_nodes |= self.gang.lost_nodes
         if not self.succeeded and self.relay is not None and self.relay.sink is not None:

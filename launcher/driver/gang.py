@@ -263,11 +263,16 @@ class RankGang:
         if crashed:
             raise RankFailedError(crashed, self.world_size)
 
-    def wait_stopped(self, refs: list, grace_s: float) -> None:
+    def wait_stopped(self, refs: list, grace_s: float, frozen: set[int] = frozenset()) -> None:
         """After a stop: give the ranks still running `grace_s` to end on their SIGTERM; not those on a
-        lost node, which no signal reaches and whose end Ray tells only when it gives the node up."""
+        lost node, which no signal reaches and whose end Ray tells only when it gives the node up, nor
+        the `frozen` ranks, whose process cannot act on it (a SIGSTOPped rank waited out the grace)."""
         lost = self.lost_nodes
-        alive = [ref for ref, r in zip(refs, self.reports, strict=True) if r.node_id not in lost]
+        alive = [
+            ref
+            for ref, r in zip(refs, self.reports, strict=True)
+            if r.node_id not in lost and r.rank not in frozen
+        ]
         with contextlib.suppress(Interrupted):  # a second Ctrl-C: kill at once
             wait_all(alive, grace_s, self.stop)
 
