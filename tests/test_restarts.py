@@ -235,3 +235,41 @@ def test_stopping_a_job_with_warm_spares_leaves_nothing(cluster, tmp_path):
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out[-4000:]
     assert leftovers("stopspares") == ([], [])
+
+
+# An unchanged gloo program: every step each rank computes (a sleep here), then an all-reduce; rank 3
+# computes `slow` seconds a step where the others take 0.05 s. It stops after 12 s, all ranks at once.
+STRAGGLER = """
+import sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank, slow = dist.get_rank(), float(sys.argv[1])
+end = time.time() + 12
+while True:
+    time.sleep(slow if rank == 3 else 0.05)
+    done = torch.tensor([1.0 if time.time() > end else 0.0])
+    dist.all_reduce(done, op=dist.ReduceOp.MAX)
+    if done.item():
+        break
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("slow", [0.2, 0.05], ids=["rank 3 slow", "balanced"])
+def test_the_rank_the_others_wait_for_is_named_while_it_runs(cluster, tmp_path, slow):
+    job = "slow" if slow > 0.05 else "even"
+    script = tmp_path / "straggler.py"
+    script.write_text(STRAGGLER)
+    proc = driver(cluster, job, tmp_path, f"--device cpu --nodes 2 --gpus-per-node 2 {script} {slow}")
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-4000:]
+    named = re.findall(r"megaray: rank (\d+) on (\S+) \(\S+\) is slow: about ([\d.]+)x", out)
+    found = tmp_path / job / "stragglers.json"
+    if slow == 0.05:
+        assert named == [] and not found.exists(), out[-3000:]
+        return
+    topology = json.loads((tmp_path / job / "topology.json").read_text())
+    assert [(r, ip) for r, ip, _ in named] == [("3", topology["ranks"][3]["node_ip"])], out[-3000:]
+    assert 2.0 <= float(named[0][2]) <= 6.0  # 4x as long a step as its peers, measured roughly
+    (record,) = json.loads(found.read_text())
+    assert record["rank"] == 3 and record["peers_waiting"] > 0.5 and record["waiting"] < 0.2

@@ -22,6 +22,7 @@ from .relay import OutputRelay
 from .rundir import RunDir
 from .spares import SparePool
 from .stop import StopSignal
+from .stragglers import StragglerWatch
 from .supervise import supervise
 
 log = logging.getLogger("megaray")
@@ -94,6 +95,7 @@ class Attempt:
             self.spec.console_ranks,
             self.progress,
             started=gang.pool_sink,
+            stragglers=StragglerWatch(self.run.path, [f"{s.node_ip} ({s.hostname})" for s in gang.slots]),
         )
 
     def start(self) -> None:

@@ -22,6 +22,7 @@ from ..core.progress import parse_megatron_line
 from ..core.spec import RAY_NAMESPACE
 from .actors import first_line, kill_actors, on_node
 from .progress_view import ProgressView
+from .stragglers import StragglerWatch
 
 log = logging.getLogger("megaray")
 
@@ -132,6 +133,11 @@ class OutputSink:
         self.writes += 1
         self.progress.append({**record, "rank": rank})
 
+    def waits(self, rank: int, samples: int, waiting: int) -> None:
+        """A rank's looks at its program (rank/waits.py), stamped here; not activity: a hung rank
+        waits in its collective and keeps sending these."""
+        self.progress.append({"rank": rank, "waits": (time.time(), samples, waiting)})
+
     def drain(self) -> tuple[list[str], list[dict[str, Any]], int]:
         """Console lines and progress since the last call, and the count of writes so far."""
         out = (self.console, self.progress, self.writes)
@@ -177,9 +183,12 @@ class OutputRelay:
         console: frozenset[int],
         progress: ProgressView,
         started: Any = None,
+        stragglers: StragglerWatch | None = None,
     ):
-        """`started`: a sink already running on the driver's node (a pool's), else one is started."""
+        """`started`: a sink already running on the driver's node (a pool's), else one is started.
+        `stragglers` is given the ranks' wait samples."""
         self.progress = progress
+        self.stragglers = stragglers
         self.sink: Any = started
         if started is not None:
             try:
@@ -225,8 +234,14 @@ class OutputRelay:
             self.writes_seen, self.last_activity = writes, time.monotonic()
         self.progress.print_lines(lines)
         for record in records:
+            if "waits" in record:
+                if self.stragglers is not None:
+                    self.stragglers.sample(record["rank"], *record["waits"])
+                continue
             self.progress.update(record)
             self.progress_seen = True
+        if self.stragglers is not None:
+            self.stragglers.look()
 
     def stop_ranks(self) -> None:
         """SIGTERM to every rank still running (each sends it to itself, see OutputSink)."""

@@ -198,7 +198,17 @@ class RankActor:
         that returns while non-daemon threads run or with atexit handlers registered is reported as
         lingering: its process must end on its own, as a Python process does, not be killed."""
         before = signal.getsignal(signal.SIGTERM)
-        result = self.call(runner.run, (target, cwd), {}, noise=runner.own_files())
+        sampler = None
+        if self.capture is not None:  # the driver's straggler detection (rank/waits.py)
+            from .waits import WaitSampler
+
+            world = int(os.environ.get("WORLD_SIZE", "1"))
+            sampler = WaitSampler(self.capture.sink, self.rank, threading.get_ident(), world)
+        try:
+            result = self.call(runner.run, (target, cwd), {}, noise=runner.own_files())
+        finally:
+            if sampler is not None:
+                sampler.stop()
         if not result.ok:
             _restore(signal.SIGTERM, before)
             return result
