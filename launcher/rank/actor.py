@@ -199,7 +199,8 @@ class RankActor:
         lingering: its process must end on its own, as a Python process does, not be killed."""
         before = signal.getsignal(signal.SIGTERM)
         sampler = None
-        if self.capture is not None:  # the driver's straggler detection (rank/waits.py)
+        # the driver's straggler detection (rank/waits.py); `--env MEGARAY_STRAGGLERS=off` turns it off
+        if self.capture is not None and os.environ.get("MEGARAY_STRAGGLERS") != "off":
             from .waits import WaitSampler
 
             world = int(os.environ.get("WORLD_SIZE", "1"))

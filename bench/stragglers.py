@@ -1,0 +1,160 @@
+"""Straggler detection (rank/waits.py, core/straggler.py): what watching costs, and how soon a slow
+rank is named, on a simulated cluster of 2 nodes x 2 CPU ranks.
+
+- the looks alone: steps in one process with the sampler thread on and off, in turn.
+- overhead: 2 ranks (one per node, no core shared) of a gloo program whose steps compute (a 1-thread
+  matmul) then all-reduce, run with the
+  ranks' looks on and off (`--env MEGARAY_STRAGGLERS=off`), alternately; rank 0 prints its median
+  step time; the ratio of the medians is the cost of watching.
+- naming: rank 3 computes 4x as long a step as the others; seconds from the topology line to the
+  console naming rank 3, and the slowdown it states.
+
+    python bench/stragglers.py --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import PY, REPO, clean_env, median, ray_cluster, summary
+
+STEPS = """
+import statistics, sys, time
+import torch, torch.distributed as dist
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+a = torch.randn(384, 384)
+times = []
+for i in range(int(sys.argv[1])):
+    t = time.perf_counter()
+    for _ in range(4):
+        b = a @ a
+    dist.all_reduce(b[:1, :1])
+    times.append(time.perf_counter() - t)
+if dist.get_rank() == 0:
+    print(f"median step ms {1000 * statistics.median(times[10:]):.3f}", flush=True)
+dist.destroy_process_group()
+"""
+
+SLOW_RANK = """
+import sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+end = time.time() + float(sys.argv[1])
+while True:
+    time.sleep(0.2 if rank == 3 else 0.05)
+    done = torch.tensor([1.0 if time.time() > end else 0.0])
+    dist.all_reduce(done, op=dist.ReduceOp.MAX)
+    if done.item():
+        break
+"""
+
+NAMED = re.compile(r"rank 3 on .* is slow: about ([\d.]+)x")
+
+
+def megaray(address: str, script: Path, args: list[str], extra: list[str] = (), per_node: int = 2):
+    cmd = [PY, str(REPO / "main.py"), "--address", address, "--device", "cpu", "--nodes", "2",
+           "--gpus-per-node", str(per_node), "--runs-dir", str(script.parent), *extra,
+           str(script), *args]  # fmt: skip
+    env = {**clean_env(), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen(
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def in_process(rounds: int = 8, steps: int = 300) -> tuple[list[float], list[float]]:
+    """The looks alone: the same steps in this process with the sampler thread on and off, in turn
+    (no Ray, no other process sharing the cores)."""
+    import statistics
+    import threading
+
+    import torch
+
+    from launcher.rank.waits import WaitSampler
+
+    class Sink:  # takes the counts the sampler sends
+        waits = property(lambda self: self)
+
+        def remote(self, *args) -> None:
+            pass
+
+    torch.set_num_threads(1)
+    a = torch.randn(384, 384)
+
+    def median_step_ms() -> float:
+        times = []
+        for _ in range(steps):
+            t = time.perf_counter()
+            for _ in range(4):
+                a @ a
+            times.append(time.perf_counter() - t)
+        return 1000 * statistics.median(times)
+
+    on, off = [], []
+    for _ in range(rounds):
+        off.append(median_step_ms())
+        sampler = WaitSampler(Sink(), 0, threading.get_ident(), 2)
+        on.append(median_step_ms())
+        sampler.stop()
+        sampler.thread.join()
+    return on, off
+
+
+def step_ms(address: str, script: Path, steps: int, watched: bool) -> float:
+    extra = [] if watched else ["--env", "MEGARAY_STRAGGLERS=off"]
+    out, _ = megaray(address, script, [str(steps)], extra, per_node=1).communicate(timeout=600)
+    found = re.search(r"median step ms ([\d.]+)", out)
+    if not found:
+        raise RuntimeError(out[-3000:])
+    return float(found.group(1))
+
+
+def time_to_name(address: str, script: Path) -> tuple[float, float]:
+    proc = megaray(address, script, ["40"])
+    started = None
+    for line in proc.stdout:
+        if started is None and "megaray: topology" in line:
+            started = time.monotonic()
+        if found := NAMED.search(line):
+            named, slowdown = time.monotonic() - started, float(found.group(1))
+            proc.kill()
+            proc.wait()
+            return named, slowdown
+    raise RuntimeError("rank 3 was never named")
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=400)
+    args = parser.parse_args(argv)
+    work = Path(tempfile.mkdtemp(prefix="megaray-stragglers-"))
+    (work / "steps.py").write_text(STEPS)
+    (work / "slow.py").write_text(SLOW_RANK)
+    sys.path.insert(0, str(REPO))
+    alone_on, alone_off = in_process()
+    print(f"in one process, step ms: looked at {summary(alone_on)}; not {summary(alone_off)}; "
+          f"ratio {median(alone_on) / median(alone_off):.4f}")  # fmt: skip
+    on, off, names = [], [], []
+    with ray_cluster(nodes=2, cpus_per_node=2, gpus_per_node=2) as address:
+        for _ in range(args.repeats):
+            off.append(step_ms(address, work / "steps.py", args.steps, watched=False))
+            on.append(step_ms(address, work / "steps.py", args.steps, watched=True))
+            names.append(time_to_name(address, work / "slow.py"))
+    ratio = median(on) / median(off)
+    print(f"step time, ms: watched {summary(on)}; not watched {summary(off)}; ratio {ratio:.4f}")
+    print(f"rank 3 (4x as long a step) named after {summary([n for n, _ in names])} s; "
+          f"stated slowdown {summary([s for _, s in names])}")  # fmt: skip
+    return {"on": on, "off": off, "ratio": ratio, "named": names, "alone": (alone_on, alone_off)}
+
+
+if __name__ == "__main__":
+    main()
