@@ -238,13 +238,13 @@ def test_stopping_a_job_with_warm_spares_leaves_nothing(cluster, tmp_path):
 
 
 # An unchanged gloo program: every step each rank computes (a sleep here), then an all-reduce; rank 3
-# computes `slow` seconds a step where the others take 0.05 s. It stops after 12 s, all ranks at once.
+# computes `slow` seconds a step where the others take 0.05 s. It stops after `seconds`, all ranks at once.
 STRAGGLER = """
 import sys, time
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
-rank, slow = dist.get_rank(), float(sys.argv[1])
-end = time.time() + 12
+rank, slow, seconds = dist.get_rank(), float(sys.argv[1]), float(sys.argv[2])
+end = time.time() + seconds
 while True:
     time.sleep(slow if rank == 3 else 0.05)
     done = torch.tensor([1.0 if time.time() > end else 0.0])
@@ -260,7 +260,11 @@ def test_the_rank_the_others_wait_for_is_named_while_it_runs(cluster, tmp_path, 
     job = "slow" if slow > 0.05 else "even"
     script = tmp_path / "straggler.py"
     script.write_text(STRAGGLER)
-    proc = driver(cluster, job, tmp_path, f"--device cpu --nodes 2 --gpus-per-node 2 {script} {slow}")
+    # named about 10 s after the start here: 18 s leave room on a loaded machine; 12 s of a balanced run
+    seconds = 18 if slow > 0.05 else 12
+    proc = driver(
+        cluster, job, tmp_path, f"--device cpu --nodes 2 --gpus-per-node 2 {script} {slow} {seconds}"
+    )
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-4000:]
     named = re.findall(r"megaray: rank (\d+) on (\S+) \(\S+\) is slow: about ([\d.]+)x", out)
