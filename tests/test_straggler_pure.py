@@ -88,3 +88,11 @@ def test_the_watch_says_the_rank_and_node_and_writes_stragglers_json(tmp_path, c
     (record,) = json.loads((tmp_path / "stragglers.json").read_text())
     assert record["rank"] == 1 and record["node"] == "10.0.0.2 (b)" and record["slowdown"] == 3.57
     assert record["since"] == EVERY and record["until"] > record["since"]
+
+
+def test_samples_are_kept_for_the_window_only_even_when_nothing_can_be_decided():
+    d = StragglerDetector(3, window_s=7.5)  # rank 2 never sends: no decision, ever
+    for i in range(1, 1000):
+        feed(d, i * EVERY, {0: 0.8, 1: 0.8})
+        d.look(i * EVERY)
+    assert max(len(q) for q in d.samples.values()) <= 4

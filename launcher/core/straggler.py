@@ -76,15 +76,23 @@ class StragglerDetector:
         self.named: dict[int, Straggler] = {}
 
     def add(self, sample: WaitSample) -> None:
-        self.samples.setdefault(sample.rank, deque()).append(sample)
+        """Kept for the window only, whether or not anything is decided (a rank that never sends, a
+        job of one rank): a long job's memory stays flat."""
+        q = self.samples.setdefault(sample.rank, deque())
+        q.append(sample)
+        self._forget(q, sample.at)
+
+    def _forget(self, q: deque[WaitSample], now: float) -> None:
+        while q and q[0].at < now - self.window_s:
+            q.popleft()
 
     def fractions(self, now: float) -> dict[int, tuple[int, float]] | None:
         """Each rank's (samples, waiting fraction) over the window; None until every rank has enough."""
+        for q in self.samples.values():
+            self._forget(q, now)
         out = {}
         for rank in range(self.world_size):
             q = self.samples.get(rank, deque())
-            while q and q[0].at < now - self.window_s:
-                q.popleft()
             n = sum(s.samples for s in q)
             if n < MIN_SAMPLES:
                 return None
