@@ -112,10 +112,30 @@ def item_and_rank(item):
     return {"item": item, "rank": int(os.environ["RANK"])}
 
 
+def _hold_the_gil(seconds: float) -> None:
+    """One C call that keeps the GIL for about `seconds` (a builtin sum over a range)."""
+    t = time.perf_counter()
+    sum(range(1_000_000))
+    per_item = (time.perf_counter() - t) / 1_000_000
+    sum(range(int(seconds / per_item)))
+
+
+def _write_a_checkpoint(path: Path, seconds: float, cap: int = 512 << 20) -> None:
+    """Write and fsync for `seconds` (at most `cap` bytes), as a long checkpoint save does."""
+    chunk, written, end = os.urandom(16 << 20), 0, time.monotonic() + seconds
+    with path.open("wb") as f:
+        while time.monotonic() < end and written < cap:
+            f.write(chunk)
+            os.fsync(f.fileno())
+            written += len(chunk)
+    path.unlink()
+
+
 def busy_then_frozen():
-    """What is not a lost node: every rank busy on the CPU for 6 s (the machine at 100%), then rank 1
-    stopped (SIGSTOP) for 6 s by rank 0 and let go (SIGCONT); longer than megaray's probes allow a
-    node to stay silent (core/liveness.py), and nothing here is silent to them."""
+    """What is not a lost node: every rank busy on the CPU for 6 s (the machine at 100%), then in one
+    C call holding the GIL for 5 s, then writing a checkpoint for 5 s; then rank 1 stopped (SIGSTOP)
+    for 6 s by rank 0 and let go (SIGCONT). Each is longer than megaray's probes allow a node to stay
+    silent (core/liveness.py), and nothing here is silent to them."""
     import signal
 
     out = Path(os.environ["MEGARAY_TEST_OUT"])
@@ -124,6 +144,8 @@ def busy_then_frozen():
     end = time.monotonic() + 6
     while time.monotonic() < end:  # the interpreter busy, not in any wait
         sum(i * i for i in range(10_000))
+    _hold_the_gil(5)
+    _write_a_checkpoint(out / f"checkpoint-{rank}.bin", 5)
     if rank == 1:
         (out / "frozen-pid").write_text(str(os.getpid()))
         time.sleep(8)  # stopped in here by rank 0, for 6 s of it

@@ -324,6 +324,25 @@ def test_a_hang_with_a_stopped_rank_waits_no_kill_grace_for_it():
     assert RankFailedError([waiting, stopped], world_size=2).beyond_signals() == {1}
 
 
+def test_a_node_lost_while_its_ranks_start_fails_those_ranks_as_died_naming_the_node():
+    from launcher.core.topology import RankSlot
+    from launcher.driver.endings import lost_while_starting, silent_while_starting
+
+    slots = [RankSlot(r, r % 2, r // 2, r // 2, r % 2, f"10.0.0.{r // 2}", f"node{r // 2}", f"h{r // 2}")
+             for r in range(4)]  # fmt: skip
+    err = lost_while_starting(slots, {"node1": silent_while_starting(4.2, "no answer within 1s")})
+    assert [(f.rank, f.kind, f.node_ip) for f in err.failures] == [
+        (2, "died", "10.0.0.1"),
+        (3, "died", "10.0.0.1"),
+    ]
+    assert err.world_size == 4
+    assert str(err) == (
+        "rank 2 on 10.0.0.1 (h1) failed: its node 10.0.0.1 (node id node1) was lost: no answer from it for "
+        "4s while its ranks started (no answer within 1s: a cut link or a dead machine); it took rank(s) 2-3 "
+        "with it"
+    )
+
+
 def test_the_report_names_what_torchrun_names_of_the_root_cause():
     """torchrun's root cause: time, host, rank and local rank, exit code and pid, the error file."""
     import time

@@ -6,7 +6,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import ray
@@ -76,13 +76,16 @@ def kill_actors(actors: Iterable[Any]) -> None:
             ray.kill(a, no_restart=True)
 
 
-def wait_all(refs: list, timeout_s: float, stop: StopSignal) -> list:
-    """`ray.wait` for all refs, in slices so a stop signal is seen quickly; returns the ready ones."""
+def wait_all(refs: list, timeout_s: float, stop: StopSignal, check: Callable[[], None] | None = None) -> list:
+    """`ray.wait` for all refs, in slices so a stop signal is seen quickly; returns the ready ones.
+    `check` runs every slice too (and may raise): the nodes' probes while ranks start."""
     want = len(refs)
     deadline = time.monotonic() + timeout_s
     ready: list = []
     while True:
         stop.check()
+        if check is not None:
+            check()
         left = deadline - time.monotonic()
         if len(ready) >= want or left <= 0:
             return ready

@@ -101,7 +101,11 @@ class Attempt:
     def start(self) -> None:
         """Every rank's actor, port and env, recorded in the run directory; then the program starts."""
         spec, gang = self.spec, self.gang
-        envs = gang.start(self.relay.sink)
+        try:
+            envs = gang.start(self.relay.sink)
+        except RankFailedError as e:  # a node lost while the ranks started
+            self.failure = e
+            raise
         self.run.write_topology(gang.master, [dataclasses.asdict(r) for r in gang.ranks])
         self.run.write_env(gang.env_records(envs))
         self.refs = gang.run(spec.target, spec.cwd)

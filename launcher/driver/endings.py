@@ -19,7 +19,7 @@ import ray
 
 from ..core.deaths import death_cause, describe_death, ray_teardown_crash, readable_tail
 from ..core.errors import FailureKind, RankFailedError, RankFailure
-from ..core.topology import RankReport, format_rank_ranges
+from ..core.topology import RankReport, RankSlot, format_rank_ranges
 from ..rank.spool import exit_and_ship, exit_mark, ship, spool_name
 from .actors import first_line, on_node, wait_all
 from .handle import RankHandle, failure_site
@@ -81,6 +81,40 @@ def _in_thread(fn: Any, *args: Any) -> Future:
 
     threading.Thread(target=run, name="megaray-exit-watch", daemon=True).start()
     return future
+
+
+def lost_summary(slots: list[RankSlot], how: str) -> str:
+    """What each rank of a lost node failed of (`slots`: that node's ranks)."""
+    ranks = format_rank_ranges(s.rank for s in slots)
+    node = f"{slots[0].node_ip} (node id {slots[0].node_id[:8]})"
+    return f"its node {node} was lost: {how}; it took rank(s) {ranks} with it"
+
+
+def lost_while_starting(slots: list[RankSlot], lost: dict[str, str]) -> RankFailedError:
+    """The ranks of nodes found lost before their actors had started (no process, no GPU yet);
+    `lost`: node id -> how it was found lost."""
+    failures, at = [], time.time()
+    for node_id, how in lost.items():
+        on_node = [s for s in slots if s.node_id == node_id]
+        failures += [
+            RankFailure(rank=s.rank, node_ip=s.node_ip, hostname=s.hostname, gpu="-", kind=FailureKind.DIED,
+                        summary=lost_summary(on_node, how), at=at, local_rank=s.local_rank)
+            for s in on_node
+        ]  # fmt: skip
+    return RankFailedError(failures, len(slots))
+
+
+def fail_if_lost(watch: RankWatch, slots: list[RankSlot], lost: dict[str, str]) -> None:
+    """Raise the failure of the ranks of `lost` nodes (node id -> how), known lost to the launch."""
+    if lost:
+        watch.lost.update(dict.fromkeys(lost, True))
+        raise lost_while_starting(slots, lost)
+
+
+def silent_while_starting(silent_s: float, why: str) -> str:
+    return (
+        f"no answer from it for {silent_s:.0f}s while its ranks started ({why}: a cut link or a dead machine)"
+    )
 
 
 def node_lost(node_id: str) -> bool:
@@ -166,10 +200,7 @@ class RankWatch:
 
     def _lost_summary(self, node_id: str, how: str) -> str:
         """The failure of every rank of a lost node, however it was found lost."""
-        on_node = [h for h in self.handles if h.report.node_id == node_id]
-        ranks = format_rank_ranges(h.slot.rank for h in on_node)
-        node = f"{on_node[0].slot.node_ip} (node id {node_id[:8]})"
-        return f"its node {node} was lost: {how}; it took rank(s) {ranks} with it"
+        return lost_summary([h.slot for h in self.handles if h.report.node_id == node_id], how)
 
     def _salvage(self, handle: RankHandle) -> Any:
         """Start shipping a dead rank's spool from its node: what its process wrote last."""

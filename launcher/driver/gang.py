@@ -36,7 +36,7 @@ from ..core.topology import (
 from . import placement, ports
 from .actors import first_line, kill_actors, start_rank_actor, wait_all
 from .cluster import check_versions
-from .endings import RankWatch, spool_path
+from .endings import RankWatch, fail_if_lost, node_lost, silent_while_starting, spool_path
 from .handle import RankHandle, RankInfo
 from .links import check_rendezvous
 from .liveness import NodeProbes, raylet_addresses
@@ -153,8 +153,11 @@ class RankGang:
     def start(self, sink: Any = None) -> list[dict[str, str]]:
         """Actors (unless adopted), port, env; rank output goes to `sink` when given. Returns the
         whole environment each rank's process then has, by rank."""
+        # a launch probes its nodes from here on; a rank group's calls are short: Ray's checks suffice
+        probes = NodeProbes(raylet_addresses({s.node_id for s in self.slots})) if sink is not None else None
+        self.watch = RankWatch((), None, probes)  # a node lost while the ranks start is lost to the launch
         if not self.adopted:
-            self.actors, self.reports = self._start_actors()
+            self.actors, self.reports = self._start_actors(probes)
         self.mark("actors_ready")
         check_versions(self.reports)
         port, self.port_reserved = choose_port(self.spec, self.actors[0], self.slots[0].node_ip, self.name)
@@ -168,8 +171,6 @@ class RankGang:
                 self.slots, self.actors, self.reports, decisions, replaced, strict=True
             )
         )
-        # a launch probes its nodes itself; a rank group's calls are short, and Ray's checks suffice
-        probes = NodeProbes(raylet_addresses({r.node_id for r in self.reports})) if sink is not None else None
         self.watch = RankWatch(self.handles, sink, probes)
         refs = [
             h.actor.setup.remote(
@@ -195,9 +196,17 @@ class RankGang:
         log_env(self.handles, hidden=set(self.spec.env_overrides) | {k for k, _ in self.spec.forwarded})
         return envs
 
-    def _start_actors(self) -> tuple[list, list[RankReport]]:
+    def _start_actors(self, probes: NodeProbes | None) -> tuple[list, list[RankReport]]:
         """One actor per rank in its bundle, and what each reports once its process is up (a node
-        that cannot start it, or runs another Ray or Python, fails here rather than at rendezvous)."""
+        that cannot start it, or runs another Ray or Python, fails here rather than at rendezvous; a
+        node that stops answering the probes meanwhile fails its ranks as lost, in seconds)."""
+
+        def nodes_answer() -> None:
+            lost = probes.tick() if probes is not None else {}
+            fail_if_lost(
+                self.watch, self.slots, {n: silent_while_starting(*seen) for n, seen in lost.items()}
+            )
+
         spec = self.spec
         actors = [
             start_rank_actor(
@@ -209,7 +218,7 @@ class RankGang:
         ]  # fmt: skip
         self.actors = actors  # so that a teardown during the wait kills them
         refs = [a.info.remote() for a in actors]
-        ready = wait_all(refs, ACTOR_START_TIMEOUT_S, self.stop)
+        ready = wait_all(refs, ACTOR_START_TIMEOUT_S, self.stop, nodes_answer)
         if len(ready) < len(refs):
             raise ResourceError(
                 f"{len(refs) - len(ready)} of {len(refs)} rank actors did not start within "
@@ -219,6 +228,9 @@ class RankGang:
         try:
             return actors, ray.get(refs)
         except ray.exceptions.RayActorError as e:
+            # not a node that cannot run megaray: one that went away meanwhile
+            gone = [n for n in {s.node_id for s in self.slots} if node_lost(n)]
+            fail_if_lost(self.watch, self.slots, dict.fromkeys(gone, "Ray lost it while its ranks started"))
             raise ClusterError(
                 f"a rank actor failed to start: {first_line(e)}; is megaray installed on every node "
                 "with the driver's Python?"
