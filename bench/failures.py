@@ -213,8 +213,16 @@ def main(argv: list[str] | None = None) -> dict:
         default="megatron",
         help="what the restart scenarios run: the Megatron dry-run trainer, or a gloo loop (faster)",
     )
-    parser.add_argument("--only", choices=("teardown", "restart"), help="run only these scenarios")
+    parser.add_argument(
+        "--only",
+        choices=("teardown", "restart", "cut"),
+        help="run only these scenarios (cut: bench/cut_link.py)",
+    )
     args = parser.parse_args(argv)
+    if args.only == "cut":  # real (namespace) machines, not the simulated cluster below
+        import cut_link
+
+        return cut_link.main(["--repeats", str(args.repeats)])
     import ray
     from ray.cluster_utils import Cluster
 

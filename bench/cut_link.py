@@ -1,0 +1,135 @@
+"""A cut link on real (namespace) machines, with Ray's default health checks: seconds from the cut to
+the job's end (exit 1, the node named), and with `--max-restarts 1` to the relaunch and to its first
+step on the machines left. Three machines from ../shared/netns/ray-cluster.sh (needs root), brought
+up anew for each round; a gloo all-reduce every 0.2 s on 2 of them.
+
+    python bench/cut_link.py --repeats 2        (also: python bench/failures.py --only cut)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import PY, REPO, summary
+
+SCRIPT = REPO.parent / "shared" / "netns" / "ray-cluster.sh"
+WORKERS = {"10.77.0.9": "1", "10.77.0.11": "2"}  # the script's machine number of each worker IP
+LOOP = """
+import sys, time, torch, torch.distributed as dist
+dist.init_process_group("gloo")
+for step in range(int(sys.argv[1])):
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    print("step", step, flush=True)
+    time.sleep(0.2)
+"""
+
+
+def _env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env["PATH"] = os.path.dirname(PY) + os.pathsep + env.get("PATH", "")  # this venv's `ray`
+    env["RAY_AUTH_MODE"] = "token"
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def netns(*args: str, timeout: float = 300) -> str:
+    p = subprocess.run(
+        ["bash", str(SCRIPT), *args], env=_env(), capture_output=True, text=True, timeout=timeout
+    )
+    if p.returncode != 0:
+        raise RuntimeError(f"ray-cluster.sh {' '.join(args)}: {(p.stderr or p.stdout)[-500:]}")
+    return p.stdout
+
+
+class Launch:
+    """A launch whose output lines are kept with the time each arrived."""
+
+    def __init__(self, address: str, runs: Path, job: str, steps: int, extra: list[str]):
+        script = runs / "loop.py"
+        script.write_text(LOOP)
+        cmd = [PY, str(REPO / "main.py"), "--address", address, "--device", "cpu", "--nodes", "2",
+               "--job-name", job, "--runs-dir", str(runs), *extra, str(script), str(steps)]  # fmt: skip
+        self.runs, self.job = runs, job
+        self.lines: list[tuple[float, str]] = []
+        self.ended = 0.0
+        self.proc = subprocess.Popen(
+            cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
+
+    def first(self, pattern: str, after: float) -> float | None:
+        return next((t for t, line in list(self.lines) if t >= after and re.search(pattern, line)), None)
+
+    def cut_a_worker(self, timeout_s: float = 120) -> tuple[str, float]:
+        """Once rank 0 made 5 steps: the link of a worker the job runs on goes down."""
+        deadline = time.monotonic() + timeout_s
+        while self.first(r"\] step 5$", 0) is None:
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError("\n".join(line for _, line in self.lines[-30:]))
+            time.sleep(0.05)
+        ranks = json.loads((self.runs / self.job / "topology.json").read_text())["ranks"]
+        worker = next(r["node_ip"] for r in ranks if r["node_ip"] in WORKERS)
+        netns("cut", WORKERS[worker], timeout=60)
+        return worker, time.monotonic()
+
+    def wait(self, timeout_s: float = 300) -> int:
+        code = self.proc.wait(timeout_s)
+        self.ended = time.monotonic()
+        self.reader.join(10)
+        return code
+
+
+def one_round(work: Path, i: int) -> dict[str, float | None]:
+    address = re.search(r"RAY_ADDRESS=(\S+)", netns("up", "3")).group(1)
+    try:
+        survive = Launch(address, work, f"survive{i}", 60, ["--max-restarts", "1"])
+        _, cut = survive.cut_a_worker()
+        restarted = survive.first(r"restart 1 of 1 after: .*was lost", cut) if survive.wait() == 0 else None
+        stepped = survive.first(r"\] step 0$", restarted) if restarted else None
+        fail = Launch(address, work, f"fail{i}", 100000, [])
+        _, cut2 = fail.cut_a_worker()
+        code = fail.wait()
+        named = fail.first(r"was lost: no answer", cut2)
+        return {
+            "to relaunch": restarted - cut if restarted else None,
+            "to first step after relaunch": stepped - cut if stepped else None,
+            "to exit": fail.ended - cut2 if code == 1 and named else None,
+        }
+    finally:
+        netns("down", timeout=120)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=2)
+    args = parser.parse_args(argv)
+    if os.geteuid() != 0 or not SCRIPT.exists():
+        raise SystemExit(f"bench/cut_link.py needs root and {SCRIPT}")
+    work = Path(tempfile.mkdtemp(prefix="megaray-cut-"))
+    rounds = [one_round(work, i) for i in range(args.repeats)]
+    print(f"a cut link, Ray's default health checks (seconds from the cut, n={args.repeats}):")
+    for key in ("to exit", "to relaunch", "to first step after relaunch"):
+        values = [r[key] for r in rounds if r[key] is not None]
+        missing = len(rounds) - len(values)
+        print(f"  {key}: {summary(values)}" + (f"; not reached {missing} times" if missing else ""))
+    return {"rounds": rounds}
+
+
+if __name__ == "__main__":
+    main()
