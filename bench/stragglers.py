@@ -10,6 +10,7 @@ rank is named, on a simulated cluster of 2 nodes x 2 CPU ranks.
   console naming rank 3, and the slowdown it states.
 
     python bench/stragglers.py --repeats 3
+    python bench/stragglers.py --false-positives 600     (a loaded balanced run: who is named)
 """
 
 from __future__ import annotations
@@ -56,6 +57,23 @@ while True:
     if done.item():
         break
 """
+
+# Balanced: every rank computes 0.01-0.09 s at random each step, so each waits for whoever was last.
+BALANCED = """
+import random, sys, time
+import torch, torch.distributed as dist
+dist.init_process_group("gloo")
+end = time.time() + float(sys.argv[1])
+while True:
+    time.sleep(random.uniform(0.01, 0.09))
+    done = torch.tensor([1.0 if time.time() > end else 0.0])
+    dist.all_reduce(done, op=dist.ReduceOp.MAX)
+    if done.item():
+        break
+"""
+BURN = (
+    "import time\nend = time.time() + {s}\nwhile time.time() < end:\n    sum(i * i for i in range(10_000))\n"
+)
 
 NAMED = re.compile(r"rank 3 on .* is slow: about ([\d.]+)x")
 
@@ -131,11 +149,35 @@ def time_to_name(address: str, script: Path) -> tuple[float, float]:
     raise RuntimeError("rank 3 was never named")
 
 
+def false_positives(address: str, work: Path, seconds: float) -> int:
+    """Ranks named slow in a balanced run of `seconds`, with two processes burning the 2 cores."""
+    script = work / "balanced.py"
+    script.write_text(BALANCED)
+    burners = [subprocess.Popen([PY, "-c", BURN.format(s=seconds + 30)]) for _ in range(2)]
+    try:
+        out, _ = megaray(address, script, [str(seconds)]).communicate(timeout=seconds + 300)
+    finally:
+        for b in burners:
+            b.kill()
+    return len(re.findall(r"is slow: about", out))
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument(
+        "--false-positives", type=float, metavar="S", help="only: a loaded balanced run of S s"
+    )
     args = parser.parse_args(argv)
+    if args.false_positives:
+        work = Path(tempfile.mkdtemp(prefix="megaray-stragglers-"))
+        with ray_cluster(nodes=2, cpus_per_node=2, gpus_per_node=2) as address:
+            named = false_positives(address, work, args.false_positives)
+        print(
+            f"balanced run of {args.false_positives:g} s, 4 ranks, 2 cores burnt: {named} rank(s) named slow"
+        )
+        return {"false_positives": named}
     work = Path(tempfile.mkdtemp(prefix="megaray-stragglers-"))
     (work / "steps.py").write_text(STEPS)
     (work / "slow.py").write_text(SLOW_RANK)
