@@ -326,11 +326,13 @@ def test_a_hang_with_a_stopped_rank_waits_no_kill_grace_for_it():
 
 def test_a_node_lost_while_its_ranks_start_fails_those_ranks_as_died_naming_the_node():
     from launcher.core.topology import RankSlot
-    from launcher.driver.endings import lost_while_starting, silent_while_starting
+    from launcher.driver.endings import lost_while_starting, silent
 
     slots = [RankSlot(r, r % 2, r // 2, r // 2, r % 2, f"10.0.0.{r // 2}", f"node{r // 2}", f"h{r // 2}")
              for r in range(4)]  # fmt: skip
-    err = lost_while_starting(slots, {"node1": silent_while_starting(4.2, "no answer within 1s")})
+    err = lost_while_starting(
+        slots, {"node1": silent(4.2, "no answer within 1s", " while its ranks started")}
+    )
     assert [(f.rank, f.kind, f.node_ip) for f in err.failures] == [
         (2, "died", "10.0.0.1"),
         (3, "died", "10.0.0.1"),

@@ -86,8 +86,8 @@ class StragglerDetector:
         while q and q[0].at < now - self.window_s:
             q.popleft()
 
-    def fractions(self, now: float) -> dict[int, tuple[int, float]] | None:
-        """Each rank's (samples, waiting fraction) over the window; None until every rank has enough."""
+    def fractions(self, now: float) -> dict[int, float] | None:
+        """Each rank's waiting fraction over the window; None until every rank has enough samples."""
         for q in self.samples.values():
             self._forget(q, now)
         out = {}
@@ -96,12 +96,11 @@ class StragglerDetector:
             n = sum(s.samples for s in q)
             if n < MIN_SAMPLES:
                 return None
-            out[rank] = (n, sum(s.waiting for s in q) / n)
+            out[rank] = sum(s.waiting for s in q) / n
         return out
 
-    def suspects(self, fractions: dict[int, tuple[int, float]]) -> dict[int, tuple[float, float]]:
+    def suspects(self, waits: dict[int, float]) -> dict[int, tuple[float, float]]:
         """Ranks that wait far less than their peers while those wait much: rank -> (its, peers')."""
-        waits = {r: f for r, (_, f) in fractions.items()}
         found = {}
         for rank, mine in waits.items():
             peers = statistics.median(w for r, w in waits.items() if r != rank)

@@ -111,10 +111,9 @@ def fail_if_lost(watch: RankWatch, slots: list[RankSlot], lost: dict[str, str]) 
         raise lost_while_starting(slots, lost)
 
 
-def silent_while_starting(silent_s: float, why: str) -> str:
-    return (
-        f"no answer from it for {silent_s:.0f}s while its ranks started ({why}: a cut link or a dead machine)"
-    )
+def silent(silent_s: float, why: str, when: str = "") -> str:
+    """How the probes found a node lost (`when`: " while its ranks started", before they ran)."""
+    return f"no answer from it for {silent_s:.0f}s{when} ({why}: a cut link or a dead machine)"
 
 
 def node_lost(node_id: str) -> bool:
@@ -153,9 +152,7 @@ class RankWatch:
         for node_id, (silent_s, why) in lost.items():
             self.lost[node_id] = True
             on_node = [h for h in self.handles if h.report.node_id == node_id]
-            summary = self._lost_summary(
-                node_id, f"no answer from it for {silent_s:.0f}s ({why}: a cut link or a dead machine)"
-            )
+            summary = self._lost_summary(node_id, silent(silent_s, why))
             failures += [
                 RankFailure(**failure_site(h), kind=FailureKind.DIED, summary=summary, at=at) for h in on_node
             ]

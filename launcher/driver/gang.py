@@ -36,7 +36,7 @@ from ..core.topology import (
 from . import placement, ports
 from .actors import first_line, kill_actors, start_rank_actor, wait_all
 from .cluster import check_versions
-from .endings import RankWatch, fail_if_lost, node_lost, silent_while_starting, spool_path
+from .endings import RankWatch, fail_if_lost, node_lost, silent, spool_path
 from .handle import RankHandle, RankInfo
 from .links import check_rendezvous
 from .liveness import NodeProbes, raylet_addresses
@@ -203,9 +203,8 @@ class RankGang:
 
         def nodes_answer() -> None:
             lost = probes.tick() if probes is not None else {}
-            fail_if_lost(
-                self.watch, self.slots, {n: silent_while_starting(*seen) for n, seen in lost.items()}
-            )
+            how = {n: silent(*seen, " while its ranks started") for n, seen in lost.items()}
+            fail_if_lost(self.watch, self.slots, how)
 
         spec = self.spec
         actors = [

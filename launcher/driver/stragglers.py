@@ -33,8 +33,7 @@ class StragglerWatch:
         self.clock = clock
         # three sends of each rank at least (they send less often in a large job)
         self.detector = StragglerDetector(len(where), max(WINDOW_S, 3 * send_every(len(where))))
-        self.records: dict[int, dict[str, Any]] = {}  # the last finding of each rank named
-        self.found: list[dict[str, Any]] = []
+        self.found: list[dict[str, Any]] = []  # every finding, in order; a rank's last is its current
         self.next_look = 0.0
 
     def sample(self, rank: int, at: float, samples: int, waiting: int) -> None:
@@ -60,9 +59,8 @@ class StragglerWatch:
                 "since": s.since, "until": None,
             }  # fmt: skip
             self.found.append(record)
-            self.records[s.rank] = record
         for s in change.recovered:
             log.info("rank %d on %s is no longer slow (since %s)", s.rank, self.where[s.rank], _clock(now))
-            self.records.pop(s.rank)["until"] = now
+            next(r for r in reversed(self.found) if r["rank"] == s.rank)["until"] = now
         if change.named or change.recovered:
             self.path.write_text(json.dumps(self.found, indent=1) + "\n")
