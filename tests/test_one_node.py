@@ -491,22 +491,23 @@ def test_surviving_ranks_get_sigterm_before_the_kill(tmp_path, capsys, own_handl
     assert leftovers("stopprobe") == ([], [])
 
 
-def test_more_ranks_than_the_sink_takes_calls_at_once_still_print_and_stop(tmp_path):
-    """Every rank keeps a stop wait pending on the sink. Here the sink's default group takes 2 calls at
-    once (a launch's takes Ray's 1,000) and 6 ranks wait: their output must still arrive and their
-    stop still be delivered, as for the ranks of a thousand nodes (the waits have their own group)."""
-    from launcher.driver.relay import start_sink
+def test_more_ranks_than_the_forwarder_takes_calls_at_once_still_print_and_stop(tmp_path):
+    """Every rank keeps a stop wait pending on its node's forwarder. Here the forwarder's default group
+    takes 2 calls at once (a launch's takes Ray's 1,000) and 6 ranks wait: their output must still
+    reach the sink and their stop still be delivered, as for a node of many ranks (the waits have
+    their own group)."""
+    from launcher.driver.relay import _forwarder_class, start_sink
 
     world = 6
-    sink = start_sink("many-ranks-sink", world, max_concurrency=2)
-    sink = sink.remote(str(tmp_path), [0] * world, frozenset(range(world)))
+    sink = start_sink("many-ranks-sink").remote(str(tmp_path), [0] * world, frozenset(range(world)))
+    forwarder = _forwarder_class().options(max_concurrency=2).remote(sink, frozenset(range(world)), 1)
 
     @ray.remote(num_cpus=0)
     class Rank:
-        def start(self, sink, rank: int, spool: str) -> int:
+        def start(self, forwarder, rank: int, spool: str) -> int:
             from launcher.rank.capture import Capture
 
-            self.capture = Capture(sink, rank, spool)
+            self.capture = Capture(forwarder, rank, spool)
             return os.getpid()
 
         def say(self, text: str) -> None:
@@ -516,19 +517,20 @@ def test_more_ranks_than_the_sink_takes_calls_at_once_still_print_and_stop(tmp_p
     ranks = [Rank.remote() for _ in range(world)]
     try:
         ray.get(
-            [r.start.remote(sink, i, str(tmp_path / f"spool-{i}")) for i, r in enumerate(ranks)], timeout=60
+            [r.start.remote(forwarder, i, str(tmp_path / f"spool-{i}")) for i, r in enumerate(ranks)],
+            timeout=60,
         )
         ray.get([r.say.remote(f"hello from rank {i}") for i, r in enumerate(ranks)], timeout=30)
         lines, _, _ = ray.get(sink.drain.remote(), timeout=10)
         assert sorted(lines) == [f"[r{i} n0] hello from rank {i}" for i in range(world)]
-        ray.get(sink.stop_ranks.remote(), timeout=10)
+        ray.get(forwarder.stop_ranks.remote(), timeout=10)
         deadline = time.monotonic() + 30
         alive = list(ranks)
         while alive and time.monotonic() < deadline:  # each rank sent itself SIGTERM
             alive = [r for r in alive if not _dead(r)]
         assert not alive, f"{len(alive)} of {world} ranks were not stopped"
     finally:
-        for actor in [*ranks, sink]:
+        for actor in [*ranks, forwarder, sink]:
             ray.kill(actor)
 
 
@@ -541,23 +543,31 @@ def _dead(actor) -> bool:
 
 
 def test_a_slow_sink_slows_the_sending_not_the_program_and_loses_nothing(tmp_path):
-    """A flood of output to a sink that takes half a second a write: one write in flight per rank,
-    the rest waits in the spool and goes in the next write; every line reaches the rank's log."""
-    from launcher.driver.relay import CONTROL, OutputSink
+    """Two ranks flood a sink that takes half a second a call, through their node's forwarder: one
+    batch in flight for the node, one write in flight per rank, the rest waits in the spools and goes
+    in the next batch; every line reaches each rank's log."""
+    from launcher.driver.relay import OutputSink, _forwarder_class
 
     class SlowSink(OutputSink):
-        def write(self, rank: int, data: bytes, start: int) -> None:
-            time.sleep(0.5)
-            super().write(rank, data, start)
+        calls = 0
 
-    sink = ray.remote(concurrency_groups={CONTROL: 4})(SlowSink).remote(str(tmp_path), [0], frozenset())
+        def take(self, batch) -> None:
+            self.calls += 1
+            time.sleep(0.5)
+            super().take(batch)
+
+        def taken(self) -> int:
+            return self.calls
+
+    sink = ray.remote(SlowSink).remote(str(tmp_path), [0, 0], frozenset())
+    forwarder = _forwarder_class().remote(sink, frozenset(), 1)
 
     @ray.remote(num_cpus=0)
     class Rank:
-        def flood(self, sink, spool: str, seconds: float) -> int:
+        def flood(self, forwarder, rank: int, spool: str, seconds: float) -> int:
             from launcher.rank.capture import Capture
 
-            capture = Capture(sink, 0, spool)
+            capture = Capture(forwarder, rank, spool)
             lines, end = 0, time.monotonic() + seconds
             while time.monotonic() < end:
                 print(f"line {lines}", flush=True)
@@ -565,16 +575,23 @@ def test_a_slow_sink_slows_the_sending_not_the_program_and_loses_nothing(tmp_pat
             capture.sync(timeout_s=30)
             return lines
 
-    rank = Rank.remote()
+    ranks = [Rank.remote() for _ in range(2)]
     try:
-        lines = ray.get(rank.flood.remote(sink, str(tmp_path / "spool"), 2.0), timeout=60)
-        _, _, writes = ray.get(sink.finish.remote(), timeout=10)
-        assert writes <= 10, f"{writes} writes in 2 s to a sink taking 0.5 s each: not one at a time"
-        logged = (tmp_path / "rank-0.log").read_text().splitlines()
-        assert len(logged) == lines and logged[-1] == f"[r0 n0] line {lines - 1}"
+        t0 = time.monotonic()
+        counts = ray.get(
+            [r.flood.remote(forwarder, i, str(tmp_path / f"spool-{i}"), 2.0) for i, r in enumerate(ranks)],
+            timeout=90,
+        )
+        took = time.monotonic() - t0
+        calls = ray.get(sink.taken.remote(), timeout=10)
+        assert calls <= took / 0.5 + 1, f"{calls} calls in {took:.1f} s to a sink taking 0.5 s each"
+        ray.get(sink.finish.remote(), timeout=10)
+        for rank, lines in enumerate(counts):
+            logged = (tmp_path / f"rank-{rank}.log").read_text().splitlines()
+            assert len(logged) == lines and logged[-1] == f"[r{rank} n0] line {lines - 1}"
     finally:
-        ray.kill(rank)
-        ray.kill(sink)
+        for actor in [*ranks, forwarder, sink]:
+            ray.kill(actor)
 
 
 def test_a_busy_machine_and_a_stopped_rank_are_not_a_lost_node(out, capsys):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from launcher.core.outbatch import Held, OutputBatch, batch_bytes, merged, send_every
 from launcher.core.progress import TrainingFacts, parse_megatron_line
 from launcher.core.rankenv import decide_env, redact
 from launcher.core.topology import parse_rank_list
@@ -201,3 +202,42 @@ def test_credentials_inside_values_are_redacted_whatever_the_name():
         "PLAIN": "https://example.org/x?a=1",
         "HF_TOKEN": "<redacted>",
     }
+
+
+def test_a_nodes_batch_puts_the_console_first_and_gives_every_rank_its_turn():
+    """A forwarder's batch (core/outbatch.py): every report and wait sample, all of the console ranks'
+    output, then the other ranks' in turns up to the budget; what is left comes next, in order."""
+    held = Held(console=frozenset({5}))
+    for rank in (1, 2, 3, 5):
+        held.add(rank, b"x" * 100, 0)
+        held.add(rank, b"y" * 100, 100)
+    held.reports.append((1, {"iteration": 3}))
+    held.waits.append((2, 10, 7))
+    first = held.take(budget=250)
+    assert [(r, s) for r, s, _ in first.chunks] == [(5, 0), (5, 100), (1, 0), (1, 100), (2, 0)]
+    assert first.reports == ((1, {"iteration": 3}),) and first.waits == ((2, 10, 7),)
+    assert first.writes == 8 and held.bytes == 300
+    second = held.take(budget=250)  # rank 2's turn goes on where it stopped, then rank 3
+    assert [(r, s) for r, s, _ in second.chunks] == [(2, 100), (3, 0), (3, 100)]
+    assert not held and held.bytes == 0 and second.writes == 0 and not held.take(250)
+    held.add(1, b"z" * 10_000, 200)  # one chunk beyond the budget still goes: nothing is stuck
+    assert len(held.take(budget=100).chunks) == 1
+
+
+def test_a_batch_joins_a_ranks_adjacent_chunks_and_the_sink_counts_the_ranks_writes(tmp_path):
+    assert merged([(0, 0, b"ab"), (0, 2, b"c\n"), (1, 0, b"d\n"), (0, 9, b"e")]) == [
+        (0, 0, b"abc\n"), (1, 0, b"d\n"), (0, 9, b"e")
+    ]  # fmt: skip
+    sink = OutputSink(str(tmp_path), node_of_rank=[0, 0], console=frozenset({0, 1}))
+    sink.take(OutputBatch(((0, 0, b"one\n"), (0, 4, b"two\n"), (1, 0, b"three\n")), ((1, {"iteration": 1}),),
+                          ((0, 5, 2),), writes=3))  # fmt: skip
+    console, progress, writes = sink.drain()
+    assert console == ["[r0 n0] one", "[r0 n0] two", "[r1 n0] three"] and writes == 4
+    assert [p["rank"] for p in progress] == [1, 0] and "waits" in progress[1]
+    assert sink.received_of([0, 1, 2]) == [8, 6, 0]
+
+
+def test_batches_scale_with_the_nodes():
+    """At most 64 MiB in flight for all nodes together and 2,000 sink calls a second."""
+    assert batch_bytes(1) == 4 << 20 and batch_bytes(1024) == 64 << 10 and batch_bytes(100_000) == 64 << 10
+    assert send_every(8) == 0.05 and send_every(1024) == pytest.approx(0.512)

@@ -102,7 +102,8 @@ class Attempt:
         """Every rank's actor, port and env, recorded in the run directory; then the program starts."""
         spec, gang = self.spec, self.gang
         try:
-            envs = gang.start(self.relay.sink)
+            outputs = self.relay.forward_from({s.node_id for s in gang.slots})
+            envs = gang.start(self.relay.sink, outputs)
         except RankFailedError as e:  # a node lost while the ranks started
             self.failure = e
             raise

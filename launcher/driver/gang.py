@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import ray
@@ -150,9 +151,10 @@ class RankGang:
         self.actors, self.reports = list(placed.actors), list(placed.reports)
         self.mark("placed")
 
-    def start(self, sink: Any = None) -> list[dict[str, str]]:
-        """Actors (unless adopted), port, env; rank output goes to `sink` when given. Returns the
-        whole environment each rank's process then has, by rank."""
+    def start(self, sink: Any = None, outputs: Mapping[str, Any] | None = None) -> list[dict[str, str]]:
+        """Actors (unless adopted), port, env; rank output goes to `sink` when given, through the
+        forwarder of each rank's node (`outputs`, by node id; driver/relay.py). Returns the whole
+        environment each rank's process then has, by rank."""
         # a launch probes its nodes from here on; a rank group's calls are short: Ray's checks suffice
         probes = NodeProbes(raylet_addresses({s.node_id for s in self.slots})) if sink is not None else None
         self.watch = RankWatch((), None, probes)  # a node lost while the ranks start is lost to the launch
@@ -175,7 +177,7 @@ class RankGang:
         refs = [
             h.actor.setup.remote(
                 h.env.to_set,
-                sink,
+                (outputs or {}).get(h.slot.node_id, sink) if sink is not None else None,
                 h.report.gpu_ids if self.adopted else None,
                 h.replaces_pid,
                 h.spool,

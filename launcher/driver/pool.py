@@ -139,18 +139,18 @@ def fill(layout: PoolLayout, wait: bool) -> None:
         for g, group in enumerate(groups)
         for b in range(layout.gpus_per_node)
     ]  # fmt: skip
-    _start_sink(layout.nodes * layout.gpus_per_node)
+    _start_sink()
     if wait:
         ray.get([a.info.remote() for a in actors], timeout=POOL_READY_S)
 
 
-def _start_sink(world_size: int) -> None:
+def _start_sink() -> None:
     """A launch's output sink, started ahead on this driver's node (where the next launch's driver
     most likely runs: it is used there only): its Ray worker's start is off the next launch's path."""
     from .relay import start_sink
 
     try:
-        start_sink(SINK + ray.get_runtime_context().get_node_id(), world_size, detached=True).remote()
+        start_sink(SINK + ray.get_runtime_context().get_node_id(), detached=True).remote()
     except Exception as e:  # the name is still held by the last one: the next launch starts its own
         log.debug("no output sink started ahead: %s", e)
 

@@ -1,16 +1,16 @@
 """Rank output on the driver's side: a sink actor on the driver's node collects every rank's lines
-(rank/capture.py sends them), writes `rank-<r>.log` into the run directory with `[r<rank> n<node>]`
-prefixes, and holds the console lines and progress records until the driver drains them; the relay
-shows them, times the activity that hang detection watches, and makes the final drain.
+(sent in batches by each node's forwarder, rank/forwarder.py), writes `rank-<r>.log` into the run
+directory with `[r<rank> n<node>]` prefixes, and holds the console lines and progress records until
+the driver drains them; the relay starts the forwarders, shows what arrives, times the activity that
+hang detection watches, stops the ranks through the forwarders, and makes the final drain.
 """
 
 from __future__ import annotations
 
-import asyncio
 import codecs
 import contextlib
+import functools
 import logging
-import os
 import time
 from collections import deque
 from pathlib import Path
@@ -18,17 +18,17 @@ from typing import Any
 
 import ray
 
+from ..core.outbatch import OutputBatch, merged
 from ..core.progress import parse_megatron_line
 from ..core.spec import RAY_NAMESPACE
 from .actors import first_line, kill_actors, on_node
 from .progress_view import ProgressView
+from .rankfiles import RankFiles
 from .stragglers import StragglerWatch
 
 log = logging.getLogger("megaray")
 
 
-CONTROL = "control"  # the sink's concurrency group for the ranks' stop waits (OutputSink)
-CONTROL_SPARE = 8  # slots of that group beyond one per rank: the driver's stop_ranks, and a margin
 LAST_LINES = 80  # of a dead rank's output, for the failure report (core/deaths.py trims them)
 
 
@@ -39,11 +39,9 @@ def prefix(rank: int, node_rank: int) -> str:
 class OutputSink:
     """The driver node's collector (a Ray actor): per-rank files, console lines, progress records.
 
-    It is also how the driver stops the ranks gracefully: each rank's control thread waits in
-    `wait_stop()` (an async method, so that all of them wait at once) and sends its own process
-    SIGTERM when `stop_ranks()` releases them. Those two run in their own concurrency group, sized for
-    the world (`start_sink`): in the default group (1,000 calls at once for an async actor) a
-    thousand ranks' waits would hold every slot, and no `write`, `drain` or `stop_ranks` would run.
+    Its calls come from one forwarder per node (`take`), from the driver (`drain`), and from a task
+    on a node that ships a dead or exited rank's spool (`received_of`, `write`). None of them waits
+    for another: the ranks' stop waits are held on their own nodes (rank/forwarder.py).
     """
 
     def __init__(
@@ -52,9 +50,9 @@ class OutputSink:
         node_of_rank: list[int] | None = None,
         console: frozenset[int] = frozenset(),
     ):
+        self.files: RankFiles | None = None
         if run_dir is not None:
             self.configure(run_dir, node_of_rank or [], console)
-        self.files: dict[int, Any] = {}
         self.partial: dict[int, str] = {}
         self.received: dict[int, int] = {}  # bytes of each rank's spool written here
         self.decoders: dict[int, Any] = {}
@@ -62,7 +60,6 @@ class OutputSink:
         self.console: list[str] = []
         self.progress: list[dict[str, Any]] = []
         self.writes = 0  # any rank's activity, for the driver's hang detection
-        self._stop: asyncio.Event | None = None
 
     def configure(self, run_dir: str, node_of_rank: list[int], console: frozenset[int]) -> None:
         """For a launch: a sink started ahead (a pool's, driver/pool.py) learns it here."""
@@ -70,19 +67,7 @@ class OutputSink:
         self.dir.mkdir(parents=True, exist_ok=True)
         self.node_of_rank = node_of_rank
         self.console_ranks = console
-
-    def _stop_event(self) -> asyncio.Event:
-        if self._stop is None:  # created in the actor's event loop, where it is awaited
-            self._stop = asyncio.Event()
-        return self._stop
-
-    @ray.method(concurrency_group=CONTROL)
-    async def wait_stop(self) -> None:
-        await self._stop_event().wait()
-
-    @ray.method(concurrency_group=CONTROL)  # the event is the control group's loop's
-    async def stop_ranks(self) -> None:
-        self._stop_event().set()
+        self.files = RankFiles(self.dir, len(node_of_rank), first=sorted(console))
 
     def write(self, rank: int, data: bytes, start: int) -> None:
         """Bytes `start`.. of a rank's spool, from the rank's thread or, after the process ended, from
@@ -107,11 +92,7 @@ class OutputSink:
         if not lines:
             return
         tag = prefix(rank, self.node_of_rank[rank])
-        f = self.files.get(rank)
-        if f is None:
-            fd = os.open(self.dir / f"rank-{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
-            f = self.files[rank] = open(fd, "a", buffering=1)  # noqa: SIM115
-        f.write("".join(tag + ln + "\n" for ln in lines))
+        self.files.write(rank, "".join(tag + ln + "\n" for ln in lines))
         self.last.setdefault(rank, deque(maxlen=LAST_LINES)).extend(lines)
         for ln in lines:
             record = parse_megatron_line(ln)
@@ -120,8 +101,26 @@ class OutputSink:
         if rank in self.console_ranks:
             self.console.extend(tag + ln for ln in lines)
 
+    def take(self, batch: OutputBatch) -> None:
+        """A node's batch (rank/forwarder.py): output, progress, wait samples."""
+        before = self.writes
+        for rank, start, data in merged(batch.chunks):
+            self.write(rank, data, start)
+        for rank, record in batch.reports:
+            self.report(rank, record)
+        for rank, samples, waiting in batch.waits:
+            self.waits(rank, samples, waiting)
+        self.writes = before + batch.writes + len(batch.reports)  # the ranks' own writes, as before
+
+    def flush(self) -> None:
+        """Nothing held here: a rank writing to the sink itself (a test) syncs as with a forwarder."""
+
     def received_bytes(self, rank: int) -> int:
         return self.received.get(rank, 0)
+
+    def received_of(self, ranks: list[int]) -> list[int]:
+        """`received_bytes` of several ranks in one call (a node's ship, rank/spool.py)."""
+        return [self.received.get(rank, 0) for rank in ranks]
 
     def tail(self, rank: int) -> list[str]:
         """A rank's last lines, the unterminated one included."""
@@ -149,27 +148,47 @@ class OutputSink:
         for rank, rest in sorted(self.partial.items()):
             self._lines(rank, [rest])
         self.partial.clear()
-        for f in self.files.values():
-            f.close()
-        self.files.clear()
+        if self.files is not None:
+            self.files.close()
         return self.drain()
 
 
-def start_sink(name: str, world_size: int, detached: bool = False, max_concurrency: int | None = None) -> Any:
-    """The sink actor's class with its options: on the driver's node, which holds the run directory,
-    with a slot in its control group for every rank's wait and for the driver's stop (Ray takes
-    concurrency groups at the class, not in `.options()`). `max_concurrency` bounds the default
-    group (Ray's default for an async actor: 1,000); a test sets it below the world size."""
-    groups = {CONTROL: world_size + CONTROL_SPARE}
-    bound = {"max_concurrency": max_concurrency} if max_concurrency else {}
-    return ray.remote(concurrency_groups=groups)(OutputSink).options(
-        **bound,
+def start_sink(name: str, detached: bool = False) -> Any:
+    """The sink actor's class with its options: on the driver's node, which holds the run directory.
+    Its calls run one at a time (no async method): the nodes' batches, the driver's drains."""
+    return _sink_class().options(
         name=name,
         namespace=RAY_NAMESPACE,
         max_restarts=0,
         lifetime="detached" if detached else None,
         **on_node(ray.get_runtime_context().get_node_id()),
     )
+
+
+@functools.cache
+def _sink_class() -> Any:
+    """One Ray class for every launch: Ray exports each new one."""
+    return ray.remote(OutputSink)
+
+
+@functools.cache
+def _forwarder_class() -> Any:
+    """The stop waits in a group of their own (Ray takes concurrency groups at the class, not in
+    `.options()`): in the default group, an async actor's 1,000 slots, they would hold the slots the
+    output needs."""
+    from ..rank.forwarder import CONTROL, CONTROL_SLOTS, NodeForwarder
+
+    return ray.remote(concurrency_groups={CONTROL: CONTROL_SLOTS})(NodeForwarder)
+
+
+def start_forwarders(sink: Any, node_ids: list[str], console: frozenset[int]) -> dict[str, Any]:
+    """One forwarder on each node (rank/forwarder.py), reserving nothing: the handles are ready at
+    once, and the ranks' calls wait in Ray until the forwarder's process is up."""
+    cls = _forwarder_class()
+    return {
+        node: cls.options(max_restarts=0, **on_node(node)).remote(sink, console, len(node_ids))
+        for node in node_ids
+    }
 
 
 class OutputRelay:
@@ -197,13 +216,27 @@ class OutputRelay:
                 kill_actors([started])
                 self.sink = None
         if self.sink is None:
-            self.sink = start_sink(name, len(node_of_rank)).remote(
-                str(run_dir.resolve()), node_of_rank, console
-            )
+            self.sink = start_sink(name).remote(str(run_dir.resolve()), node_of_rank, console)
+        self.console = console
+        self.forwarders: dict[str, Any] = {}  # by node id
         self.drain_ref: Any = None
         self.writes_seen = 0  # the sink's count of rank writes and reports, when last drained
         self.last_activity = time.monotonic()
         self.progress_seen = False
+
+    def forward_from(self, node_ids: set[str]) -> dict[str, Any]:
+        """The forwarder each node's ranks send to, started now (before the ranks, to overlap)."""
+        new = sorted(node_ids - set(self.forwarders))
+        if self.sink is not None and new:
+            self.forwarders.update(start_forwarders(self.sink, new, self.console))
+        return self.forwarders
+
+    def flush(self, timeout_s: float = 5.0) -> None:
+        """What the forwarders hold, into the sink (a node gone has nothing more to give)."""
+        refs = [f.flush.remote() for f in self.forwarders.values()]
+        if refs:
+            with contextlib.suppress(Exception):
+                ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
     def pump(self, wait_s: float = 0.0) -> None:
         """Show what the sink collected since the last call: console lines and progress."""
@@ -224,8 +257,10 @@ class OutputRelay:
         self._show(lines, records, writes)
 
     def catch_up(self, wait_s: float = 5.0) -> None:
-        """Show everything the sink received up to now: a drain asked for earlier, then one asked now."""
+        """Show everything the ranks sent up to now: a drain asked for earlier, what the forwarders
+        hold, then a drain asked now."""
         self.pump(wait_s)
+        self.flush(wait_s)
         if self.drain_ref is None:
             self.pump(wait_s)
 
@@ -244,15 +279,20 @@ class OutputRelay:
             self.stragglers.look()
 
     def stop_ranks(self) -> None:
-        """SIGTERM to every rank still running (each sends it to itself, see OutputSink)."""
-        if self.sink is not None:
+        """SIGTERM to every rank still running: each waits for it on its node's forwarder and sends it
+        to itself (rank/capture.py). The nodes are told together."""
+        if self.forwarders:
+            refs = [f.stop_ranks.remote() for f in self.forwarders.values()]
             with contextlib.suppress(Exception):
-                ray.get(self.sink.stop_ranks.remote(), timeout=5)
+                ray.wait(refs, num_returns=len(refs), timeout=5)
 
     def finish(self) -> None:
-        """Last lines into the files and onto the console, then stop the sink."""
+        """Last lines into the files and onto the console, then stop the forwarders and the sink."""
         if self.drain_ref is not None:
             self.pump(wait_s=5.0)  # lines already drained come before what finish() returns
+        self.flush()
+        kill_actors(self.forwarders.values())
+        self.forwarders = {}
         sink, self.sink = self.sink, None
         if sink is not None:
             with contextlib.suppress(Exception):  # the sink is gone: what it held is lost with it

@@ -3,8 +3,9 @@
 Ray's own log streaming prints every rank's lines with a long prefix and keeps them on the node
 that produced them. Here each rank's stdout and stderr (the file descriptors, so NCCL's and other C
 libraries' output too) go to a spool file on the node (rank/spool.py), and a thread sends what
-arrives there to the sink actor on the driver's node; `report()` sends progress the same way. No
-shared filesystem is needed, and what a dying process wrote last stays in the spool for the driver.
+arrives there to its node's forwarder (rank/forwarder.py), which batches the node's ranks for the
+sink on the driver's node; `report()` sends progress the same way. No shared filesystem is needed,
+and what a dying process wrote last stays in the spool for the driver.
 """
 
 from __future__ import annotations
@@ -31,7 +32,8 @@ def current_sink() -> Any:
 
 
 class Capture:
-    """In a rank: file descriptors 1 and 2 go to the spool; a thread sends what arrives to the sink."""
+    """In a rank: file descriptors 1 and 2 go to the spool; a thread sends what arrives to `sink`: the
+    node's forwarder (or, in a test, the driver's sink itself: both take the same calls)."""
 
     def __init__(self, sink: Any, rank: int, spool: str):
         global _current
@@ -104,7 +106,8 @@ class Capture:
             self.sent += len(data)
 
     def sync(self, timeout_s: float = 10.0) -> None:
-        """Return once everything written so far has reached the sink (before the rank reports)."""
+        """Return once everything written so far has reached the driver's sink (before the rank
+        reports): sent to the forwarder, and the forwarder flushed."""
         import ray
 
         flush_streams()
@@ -114,6 +117,8 @@ class Capture:
             time.sleep(0.01)
         if self.last_ref is not None:
             ray.wait([self.last_ref], timeout=max(0.0, deadline - time.monotonic()))
+            with contextlib.suppress(Exception):
+                ray.wait([self.sink.flush.remote()], timeout=max(0.0, deadline - time.monotonic()))
 
 
 def flush_streams() -> None:

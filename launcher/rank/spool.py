@@ -1,6 +1,6 @@
 """A rank's output spool: the file on its node that its stdout and stderr are written to.
 
-The rank's own thread sends what the file receives to the launch's sink (rank/capture.py), but a
+The rank's own thread sends what the file receives on, to the launch's sink (rank/capture.py), but a
 process that dies abruptly (`os._exit`, a segfault, SIGKILL) takes that thread with it, and with a
 pipe its last lines would die too. A file keeps every byte the process wrote: after a rank dies, or
 after the processes of a finished launch have ended (atexit output), a task on the node ships what
@@ -73,17 +73,20 @@ def ship(sink: Any, spools: list[tuple[int, str]], delete: bool) -> dict[str, An
     kill count."""
     import ray
 
-    received = ray.get([sink.received_bytes.remote(rank) for rank, _ in spools])
-    writes, shipped = [], {}
+    from ..core.outbatch import OutputBatch
+
+    received = ray.get(sink.received_of.remote([rank for rank, _ in spools]))
+    chunks, shipped = [], {}
     for (rank, path), start in zip(spools, received, strict=True):
         begin, data = read_from(path, start)
         shipped[rank] = len(data)
         if data:
-            writes.append(sink.write.remote(rank, data, begin))
+            chunks.append((rank, begin, data))
         if delete:
             with contextlib.suppress(OSError):
                 os.unlink(path)
-    ray.get(writes)
+    if chunks:  # one call for the node: not one per rank (at most 4 MiB each, MAX_SALVAGE_BYTES)
+        ray.get(sink.take.remote(OutputBatch(tuple(chunks), writes=len(chunks))))
     return {"shipped": shipped, "oom_kills": oom_kills()}
 
 

@@ -1,0 +1,107 @@
+"""What one node sends the driver's output sink at a time (rank/forwarder.py -> driver/relay.py).
+
+Ranks send their output to a forwarder on their own node, which sends one batch at a time to the
+sink: the sink's calls grow with the nodes, not the ranks, and a sink slower than the output makes
+the node wait (its ranks' bytes stay in their spools on disk), never grows anyone's memory. What a
+batch takes from what the forwarder holds is decided here, without Ray, and tested so.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+MIN_BATCH_BYTES = 64 << 10
+MAX_BATCH_BYTES = 4 << 20
+ALL_BATCHES_BYTES = 64 << 20  # every node's batch in flight together, at most (one each)
+CALLS_PER_S = 2000  # batches a second the sink gets from all the nodes together, at most
+MIN_EVERY_S = 0.05  # how long a burst is gathered into one batch on a small job
+
+
+@dataclass(frozen=True)
+class OutputBatch:
+    """Rank output by offset in each rank's spool, progress reports, and wait samples (rank/waits.py);
+    `writes` counts the ranks' own writes in it: the activity hang detection watches."""
+
+    chunks: tuple[tuple[int, int, bytes], ...] = ()  # (rank, start, data)
+    reports: tuple[tuple[int, dict[str, Any]], ...] = ()
+    waits: tuple[tuple[int, int, int], ...] = ()  # (rank, samples, waiting)
+    writes: int = 0
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks or self.reports or self.waits)
+
+
+def batch_bytes(nodes: int) -> int:
+    """A node's share of what may be in flight to the sink at once."""
+    return min(MAX_BATCH_BYTES, max(MIN_BATCH_BYTES, ALL_BATCHES_BYTES // max(1, nodes)))
+
+
+def send_every(nodes: int) -> float:
+    """Seconds a node gathers before it sends: the sink gets at most CALLS_PER_S calls a second."""
+    return max(MIN_EVERY_S, nodes / CALLS_PER_S)
+
+
+@dataclass
+class Held:
+    """What a node's forwarder holds for the sink, by rank, in the order it came."""
+
+    console: frozenset[int] = frozenset()
+    chunks: dict[int, list[tuple[int, bytes]]] = field(default_factory=dict)
+    reports: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
+    waits: list[tuple[int, int, int]] = field(default_factory=list)
+    bytes: int = 0
+    writes: int = 0
+    turn: int = 0  # where the last batch's ranks left off, so that each rank gets its turn
+
+    def add(self, rank: int, data: bytes, start: int) -> None:
+        self.chunks.setdefault(rank, []).append((start, data))
+        self.bytes += len(data)
+        self.writes += 1
+
+    def for_console(self) -> bool:
+        """Whether a console rank's lines or a progress report wait: the console shows them."""
+        return bool(self.reports) or any(r in self.console for r in self.chunks)
+
+    def take(self, budget: int) -> OutputBatch:
+        """Every report and wait sample, the console ranks' output, then the other ranks' in turns
+        until `budget` bytes of theirs (at least one chunk): what is left goes in the next batch."""
+        others = sorted(r for r in self.chunks if r not in self.console)
+        k = next((i for i, r in enumerate(others) if r >= self.turn), 0)
+        order = [*sorted(r for r in self.chunks if r in self.console), *others[k:], *others[:k]]
+        taken: list[tuple[int, int, bytes]] = []
+        size = others_size = 0
+        for rank in order:
+            queue = self.chunks[rank]
+            console = rank in self.console
+            while queue and (console or others_size < budget or not taken):
+                start, data = queue.pop(0)
+                taken.append((rank, start, data))
+                size += len(data)
+                others_size += 0 if console else len(data)
+            if not queue:
+                del self.chunks[rank]
+            elif rank not in self.console:
+                self.turn = rank
+                break
+        else:
+            self.turn = 0
+        batch = OutputBatch(tuple(taken), tuple(self.reports), tuple(self.waits), self.writes)
+        self.bytes -= size
+        self.reports, self.waits, self.writes = [], [], 0
+        return batch
+
+    def __bool__(self) -> bool:
+        return bool(self.chunks or self.reports or self.waits)
+
+
+def merged(chunks: Iterable[tuple[int, int, bytes]]) -> list[tuple[int, int, bytes]]:
+    """Adjacent chunks of one rank joined (one write to its file instead of many)."""
+    out: list[tuple[int, int, bytes]] = []
+    for rank, start, data in chunks:
+        if out and out[-1][0] == rank and out[-1][1] + len(out[-1][2]) == start:
+            out[-1] = (rank, out[-1][1], out[-1][2] + data)
+        else:
+            out.append((rank, start, data))
+    return out

@@ -1,0 +1,81 @@
+"""The run directory's `rank-<r>.log` files, as the output sink (driver/relay.py) writes them.
+
+At thousands of ranks two costs show (bench/output_sim.py): creating a file takes 0.02-0.4 ms on
+the machines measured, so the first lines of 8,192 ranks at once held the sink for seconds, behind
+them the console's; and a file kept open per rank needs as many descriptors, past the usual soft
+limit of 1,024. The files are created ahead, off the output path, by a thread (the console's ranks
+first), and at most as many are kept open as the process's limit allows (raised to its hard
+limit, as Ray does for its own processes): the least recently written is closed first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import threading
+from collections import OrderedDict
+from collections.abc import Iterable
+from pathlib import Path
+
+SPARE_FDS = 256  # descriptors left for everything else the sink's process opens (Ray's own)
+FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND
+
+
+def fd_budget(wanted: int) -> int:
+    """How many files may stay open: up to `wanted`, within the descriptor limit, raised if need be."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted + SPARE_FDS:
+        target = wanted + SPARE_FDS if hard == resource.RLIM_INFINITY else min(hard, wanted + SPARE_FDS)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+    return max(16, min(wanted, soft - SPARE_FDS)) if soft != resource.RLIM_INFINITY else wanted
+
+
+class RankFiles:
+    """Append-only, owner-readable files (rank output can hold secrets), one per rank, written with
+    one system call a batch of lines."""
+
+    def __init__(self, folder: Path, ranks: int, first: Iterable[int] = ()):
+        self.folder = folder
+        self.open_max = fd_budget(ranks)
+        self.fds: OrderedDict[int, int] = OrderedDict()  # written to, the least recently first
+        self.made: dict[int, int] = {}  # opened ahead by the thread, not yet written to
+        order = [*first, *range(ranks)]
+        threading.Thread(target=self._create, args=(order,), name="megaray-rank-files", daemon=True).start()
+
+    def path(self, rank: int) -> Path:
+        return self.folder / f"rank-{rank}.log"
+
+    def _create(self, order: list[int]) -> None:
+        """Races with write(), harmlessly: O_CREAT on both sides, and a second descriptor of a file
+        is closed with the others."""
+        for rank in dict.fromkeys(order):
+            if rank in self.fds:
+                continue
+            with contextlib.suppress(OSError):
+                fd = os.open(self.path(rank), FLAGS, 0o600)
+                if len(self.made) + len(self.fds) < self.open_max:
+                    self.made[rank] = fd
+                else:
+                    os.close(fd)
+
+    def write(self, rank: int, text: str) -> None:
+        fd = self.fds.pop(rank, None)
+        if fd is None:
+            fd = self.made.pop(rank, None)
+        if fd is None:
+            while self.fds and len(self.fds) + len(self.made) >= self.open_max:
+                os.close(self.fds.popitem(last=False)[1])
+            fd = os.open(self.path(rank), FLAGS, 0o600)
+        self.fds[rank] = fd
+        data = text.encode()
+        while data:
+            data = data[os.write(fd, data) :]
+
+    def close(self) -> None:
+        for fds in (self.fds, self.made):
+            while fds:
+                with contextlib.suppress(OSError):
+                    os.close(fds.popitem()[1])

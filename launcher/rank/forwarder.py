@@ -1,0 +1,126 @@
+"""On each node of a launch: one forwarder (a Ray actor, no CPU reserved) between the node's ranks and
+the driver's output sink (driver/relay.py).
+
+A rank's threads (rank/capture.py, rank/waits.py) call their node's forwarder, never the driver:
+its output, its progress reports and wait samples, and the wait for a graceful stop. The forwarder
+sends the sink one batch at a time (core/outbatch.py), so the driver's calls grow with the nodes,
+not the ranks (8,192 ranks each sending ~30 writes a second would be 50-90 times what one actor
+takes), and it holds a bounded amount: past that, a rank's write waits, and its output waits in its
+spool on disk. The stop waits live here too, on the node, instead of a call per rank held open on
+the driver's node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from typing import Any
+
+import ray
+
+from ..core.outbatch import MIN_EVERY_S, Held, batch_bytes, send_every
+
+log = logging.getLogger("megaray")
+
+CONTROL = "control"  # the concurrency group of the stop waits: the default group stays free for output
+CONTROL_SLOTS = 1024  # ranks of one node waiting for a stop at once, and the driver's stop
+MAX_HELD_BYTES = 16 << 20  # what one node holds for the sink before its ranks' writes wait
+
+
+class NodeForwarder:
+    """The node's ranks' calls, gathered (rank/capture.py knows it as its sink: same methods)."""
+
+    def __init__(self, sink: Any, console: frozenset[int], nodes: int):
+        self.sink = sink
+        self.held = Held(console=console)
+        self.budget, self.every = batch_bytes(nodes), send_every(nodes)
+        self.sending = False
+        self.failed = False  # the sink is gone (the driver with it): output is dropped, nobody waits
+        self._wake: asyncio.Event | None = None
+        self._urgent = asyncio.Event()  # what the console shows arrived: send it soon
+        self._room: asyncio.Event | None = None
+        self._sender: asyncio.Task | None = None
+        self._stop: asyncio.Event | None = None
+
+    def _events(self) -> tuple[asyncio.Event, asyncio.Event]:
+        """Made in the default group's event loop, where output is handled; the sender starts there."""
+        if self._wake is None or self._room is None:
+            self._wake, self._room = asyncio.Event(), asyncio.Event()
+            self._sender = asyncio.get_running_loop().create_task(self._send())
+        return self._wake, self._room
+
+    async def write(self, rank: int, data: bytes, start: int) -> None:
+        """Bytes `start`.. of a rank's spool; returns once there is room for them (the rank's one
+        write in flight: rank/capture.py)."""
+        wake, room = self._events()
+        while self.held.bytes >= MAX_HELD_BYTES and not self.failed:
+            room.clear()
+            await room.wait()
+        self.held.add(rank, data, start)
+        wake.set()
+        if rank in self.held.console:
+            self._urgent.set()
+
+    async def report(self, rank: int, record: dict[str, Any]) -> None:
+        self.held.reports.append((rank, record))
+        self._events()[0].set()
+        self._urgent.set()
+
+    async def waits(self, rank: int, samples: int, waiting: int) -> None:
+        self.held.waits.append((rank, samples, waiting))
+        self._events()[0].set()
+
+    async def flush(self) -> None:
+        """Returns once what was held at the call has reached the sink (or the sink is gone)."""
+        wake, _ = self._events()
+        while (self.held or self.sending) and not self.failed:
+            wake.set()
+            await asyncio.sleep(0.01)
+
+    async def _send(self) -> None:
+        wake, room = self._events()
+        urgent = self._urgent
+        while True:
+            await wake.wait()
+            wake.clear()
+            # a burst of lines, gathered into one batch; the console's lines wait the least
+            await asyncio.sleep(MIN_EVERY_S)
+            if not self.held.for_console():
+                urgent.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(urgent.wait(), self.every - MIN_EVERY_S)
+            self.sending = True
+            batch = self.held.take(self.budget)
+            room.set()
+            try:
+                if batch and not self.failed:
+                    await self.sink.take.remote(batch)
+            except Exception as e:  # the sink is gone: the driver is going too
+                log.warning("rank output is no longer sent to the driver: %s", e)
+                self.failed = True
+                room.set()
+            finally:
+                self.sending = False
+            if self.held:
+                wake.set()
+
+    @ray.method(concurrency_group=CONTROL)
+    async def wait_stop(self) -> None:
+        """A rank's control thread waits here for the driver's stop (rank/capture.py)."""
+        await self._stop_event().wait()
+
+    @ray.method(concurrency_group=CONTROL)  # the event is the control group's loop's
+    async def stop_ranks(self) -> None:
+        self._stop_event().set()
+
+    def _stop_event(self) -> asyncio.Event:
+        if self._stop is None:
+            self._stop = asyncio.Event()
+        return self._stop
+
+    async def close(self) -> None:
+        if self._sender is not None:
+            self._sender.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sender
