@@ -346,13 +346,46 @@ def gang_envs(
     )
 
 
+TABLE_MAX_RANKS = 64  # a topology up to this size is shown rank by rank; a larger one, by node
+TABLE_END_NODES = 4  # nodes shown at each end of a larger one
+
+
 def log_topology(ranks: tuple[RankInfo, ...], master: tuple[str, int]) -> None:
-    rows = [("rank", "node", "ip", "host", "local_rank", "gpu", "pid")]
-    rows += [
-        (str(r.rank), str(r.node_rank), r.node_ip, r.hostname, str(r.local_rank), r.gpu or "-", str(r.pid))
-        for r in ranks
-    ]
-    log.info("topology (MASTER_ADDR=%s MASTER_PORT=%d):\n%s", *master, format_table(rows, "  "))
+    """The ranks' table, on one screen: rank by rank for a small job; node by node, the first and
+    last few, for a large one (topology.json in the run directory has every rank)."""
+    head = f"topology (MASTER_ADDR={master[0]} MASTER_PORT={master[1]})"
+    if len(ranks) <= TABLE_MAX_RANKS:
+        rows = [("rank", "node", "ip", "host", "local_rank", "gpu", "pid")]
+        rows += [
+            (
+                str(r.rank),
+                str(r.node_rank),
+                r.node_ip,
+                r.hostname,
+                str(r.local_rank),
+                r.gpu or "-",
+                str(r.pid),
+            )
+            for r in ranks
+        ]
+        log.info("%s:\n%s", head, format_table(rows, "  "))
+        return
+    nodes: dict[int, list[RankInfo]] = {}
+    for r in ranks:
+        nodes.setdefault(r.node_rank, []).append(r)
+    order = sorted(nodes)
+    ends = TABLE_END_NODES
+    shown = order if len(order) <= 2 * ends else [*order[:ends], *order[-ends:]]
+    rows = [("ranks", "node", "ip", "host")]
+    for i, n in enumerate(shown):
+        if i == ends and len(shown) < len(order):
+            rows.append(("...", f"{len(order) - len(shown)} more nodes", "", ""))
+        on = nodes[n]
+        rows.append((format_rank_ranges([r.rank for r in on]), str(n), on[0].node_ip, on[0].hostname))
+    log.info(
+        "%s, %d ranks on %d nodes (every rank in topology.json):\n%s",
+        head, len(ranks), len(order), format_table(rows, "  "),
+    )  # fmt: skip
 
 
 def log_env(handles: tuple[RankHandle, ...], hidden: set[str]) -> None:

@@ -238,8 +238,10 @@ class OutputRelay:
             with contextlib.suppress(Exception):
                 ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
-    def pump(self, wait_s: float = 0.0) -> None:
-        """Show what the sink collected since the last call: console lines and progress."""
+    def pump(self, wait_s: float = 0.0, again: bool = True) -> None:
+        """Show what the sink collected: the drain asked at the last call once it is back (waited for
+        up to `wait_s`), then ask the next one (`again`), which the next call shows: a line waits for
+        one turn of the supervision, not two."""
         if self.sink is None:
             return
         if self.drain_ref is None:
@@ -255,14 +257,16 @@ class OutputRelay:
             self.sink = None
             return
         self._show(lines, records, writes)
+        if again:
+            self.drain_ref = self.sink.drain.remote()
 
     def catch_up(self, wait_s: float = 5.0) -> None:
         """Show everything the ranks sent up to now: a drain asked for earlier, what the forwarders
         hold, then a drain asked now."""
-        self.pump(wait_s)
+        self.pump(wait_s, again=False)
         self.flush(wait_s)
         if self.drain_ref is None:
-            self.pump(wait_s)
+            self.pump(wait_s, again=False)
 
     def _show(self, lines: list[str], records: list[dict[str, Any]], writes: int) -> None:
         if writes != self.writes_seen:
@@ -289,7 +293,7 @@ class OutputRelay:
     def finish(self) -> None:
         """Last lines into the files and onto the console, then stop the forwarders and the sink."""
         if self.drain_ref is not None:
-            self.pump(wait_s=5.0)  # lines already drained come before what finish() returns
+            self.pump(wait_s=5.0, again=False)  # lines already drained come before what finish() returns
         self.flush()
         kill_actors(self.forwarders.values())
         self.forwarders = {}
