@@ -22,6 +22,7 @@ import resource
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -73,6 +74,7 @@ def main() -> int:
     from launcher.driver.launch import launch
 
     states: dict[str, tuple[float, float]] = {}  # state -> (driver CPU, wall) when it was entered
+    synced: Counter[str] = Counter()  # the GCS round trips before the ranks ran
     lags: list[float] = []
     shown = progress_view.ProgressView.print_lines
 
@@ -89,6 +91,8 @@ def main() -> int:
 
     def on_state(self, state) -> None:
         states.setdefault(str(state), (time.thread_time(), time.monotonic()))
+        if str(state) == "running":
+            synced.update(k for k in sim.counts.elements() if k.startswith("sync:"))
         entered(self, state)
 
     progress_view.ProgressView.on_state = on_state
@@ -164,7 +168,8 @@ def main() -> int:
         "launch_cpu_ms_per_rank": round(launch_cpu * 1000 / args.ranks, 3),
         "end_cpu_ms_per_rank": round(end_cpu * 1000 / args.ranks, 3),
         "watch_cpu_share": round(watch_cpu / watch_s, 3),  # of one core, while the ranks run
-        "sync_rpcs_per_node": round(sum(sync.values()) / nodes, 2),
+        "launch_sync_rpcs_per_node": round(sum(synced.values()) / nodes, 2),
+        "end_sync_rpcs_per_node": round((sum(sync.values()) - sum(synced.values())) / nodes, 2),
         "max_console_lag_s": round(max(lags), 3) if lags else "-",
         "console_lines": console.lines,
         "failure_report_lines": report_lines,

@@ -10,7 +10,8 @@ with one that keeps the semantics the driver depends on and charges what Ray cha
 - actors become ready no faster than Ray's measured throughput (`actors_per_s`, ~550 a second in
   Ray's `many_actors` release test) and no sooner than a worker process starts (`actor_start_s`);
 - an actor runs its calls one at a time, in arrival order (an async actor: on an event loop, all at
-  once), each call `call_ms` after it is sent;
+  once), each call `call_ms` after it is sent; the output sink in a process of its own, as on a
+  cluster (in this one its work would hold the driver's GIL);
 - each simulated node has a raylet port that answers megaray's liveness probes (a real listening
   socket), so a node can be lost by closing it.
 
@@ -291,7 +292,10 @@ class Actor:
             self._die(ray.exceptions.ActorDiedError())
             return
         try:
-            self._instance = self._cls(*args, **kwargs)
+            if self._cls.__name__ in OWN_PROCESS:
+                self._instance = ProcessProxy(self._cls, args, kwargs)
+            else:
+                self._instance = self._cls(*args, **kwargs)
         except BaseException as e:
             self._die(e)
             return
@@ -385,6 +389,52 @@ class Actor:
             queue, self._queue = self._queue, []
         for _, _, ref in queue:
             ref.set(error=error)
+
+
+OWN_PROCESS = {"OutputSink"}  # actors whose work would hold the driver's GIL here, unlike on a cluster
+
+
+class ProcessProxy:
+    """An actor's instance in a process of its own: its calls are sent there and answered in order."""
+
+    def __init__(self, cls: type, args: tuple, kwargs: dict):
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_serve, args=(child, cls, args, kwargs), daemon=True)
+        self.process.start()
+        error = self.conn.recv()
+        if error is not None:
+            raise error
+
+    def __getattr__(self, name: str) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.conn.send((name, args, kwargs))
+            ok, value = self.conn.recv()
+            if not ok:
+                raise value
+            return value
+
+        return call
+
+
+def _serve(conn: Any, cls: type, args: tuple, kwargs: dict) -> None:
+    try:
+        instance = cls(*args, **kwargs)
+    except BaseException as e:
+        conn.send(e)
+        return
+    conn.send(None)
+    while True:
+        try:
+            name, a, kw = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send((True, getattr(instance, name)(*a, **kw)))
+        except BaseException as e:
+            conn.send((False, e))
 
 
 class Method:

@@ -72,3 +72,26 @@ def test_ray_assumptions_are_measured(capsys):
     assert results["held"] == {"default group": False, "own group": True}  # Ray's semantics, not a timing
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last.startswith("unnamed_ms=") and "own_group_runs=1" in last
+
+
+def _last_line_fields(cmd: list[str]) -> dict[str, str]:
+    import subprocess
+
+    p = subprocess.run([sys.executable, *cmd], cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return dict(kv.split("=", 1) for kv in p.stdout.strip().splitlines()[-1].split())
+
+
+def test_the_scale_simulation_runs_the_real_driver_to_its_end_and_through_a_failure():
+    """bench/scale_sim.py: megaray's launch() against the stand-in Ray, at a tiny size."""
+    ok = _last_line_fields(["bench/scale_sim.py", "--ranks", "64", "--run-s", "3"])
+    assert ok["outcome"] == "ok" and float(ok["running_s"]) > 0 and ok["max_console_lag_s"] != "-"
+    assert float(ok["launch_sync_rpcs_per_node"]) >= 1  # a placement group per node, at least
+    failed = _last_line_fields(["bench/scale_sim.py", "--ranks", "64", "--run-s", "4", "--fail", "rank"])
+    assert failed["outcome"] == "RankFailedError" and 10 <= int(failed["failure_report_lines"]) <= 30
+
+
+def test_the_output_simulation_loses_nothing():
+    """bench/output_sim.py: the sink and the nodes' forwarders, unchanged, at a tiny size."""
+    out = _last_line_fields(["bench/output_sim.py", "--ranks", "64", "--seconds", "3", "--startup-s", "0.5"])
+    assert int(out["written"]) > 0 and out["lost"] == "0"

@@ -339,10 +339,11 @@ def test_probes_tell_an_answering_node_from_a_closed_port_and_a_silent_one():
         clock=lambda: now[0],
     )
     try:
-        for tick in range(60):  # 6 s of ticks, a tenth of a second apart
-            if tick == 5:  # every node answered once: then "silent" goes silent, "refusing" closes
+        for tick in range(70):  # 7 s of ticks, a tenth of a second apart
+            if tick == 10:  # every node answered once (their first probes are spread over a second)
                 assert probes.liveness.lost(now[0]) == {} and not probes.liveness.unprobed()
-                refusing.close()
+                assert all(n.answered for n in probes.liveness._seen.values())
+                refusing.close()  # then "silent" goes silent, "refusing" closes
                 for _ in range(4):
                     held.append(socket.socket())
                     held[-1].setblocking(False)
@@ -357,3 +358,26 @@ def test_probes_tell_an_answering_node_from_a_closed_port_and_a_silent_one():
         probes.close()
         for s in [listening, full, *held]:
             s.close()
+
+
+def test_probes_are_spread_over_a_second_and_kept_within_the_descriptor_limit():
+    """A thousand nodes are not probed in one turn: their first probes spread over a period, and no
+    more sockets are open at once than the driver's descriptor limit allows."""
+    import socket
+
+    from launcher.driver.liveness import NodeProbes
+
+    server = socket.create_server(("127.0.0.1", 0), backlog=128)
+    now = [0.0]
+    probes = NodeProbes({f"n{i}": server.getsockname() for i in range(1000)}, clock=lambda: now[0])
+    try:
+        starts = sorted(probes.next_at.values())
+        assert starts[0] == 0.0 and 0.99 <= starts[-1] < 1.0 and len(set(starts)) == 1000
+        probes.max_inflight = 50
+        now[0] = 1.0  # every probe due: only 50 go out, the rest on later turns
+        probes.tick()
+        tried = [n for n, seen in probes.liveness._seen.items() if seen.answered] + list(probes.inflight)
+        assert len(tried) == 50
+    finally:
+        probes.close()
+        server.close()

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from ..core.liveness import PROBE_EVERY_S, PROBE_TIMEOUT_S, Liveness
+from .fds import fd_budget
 
 log = logging.getLogger("megaray")
 
@@ -34,7 +35,11 @@ class NodeProbes:
         self.addresses, self.clock = addresses, clock
         now = clock()
         self.liveness = Liveness(list(addresses), now)
-        self.next_at = dict.fromkeys(addresses, now)
+        # spread over a period, not all at once: a thousand sockets opened in one turn would pass the
+        # usual limit of 1,024 descriptors, and the answers would all come in one turn too
+        n = max(1, len(addresses))
+        self.next_at = {node: now + PROBE_EVERY_S * i / n for i, node in enumerate(addresses)}
+        self.max_inflight = fd_budget(len(addresses))
         self.inflight: dict[str, tuple[socket.socket, float]] = {}
         self.selector = selectors.DefaultSelector()
         self.told: set[str] = set()  # the unprobed nodes said so
@@ -43,7 +48,11 @@ class NodeProbes:
         """Start the probes due, read those answered or timed out; the nodes lost so far."""
         now = self.clock()
         for node, (ip, port) in self.addresses.items():
-            if node not in self.inflight and now >= self.next_at[node]:
+            if (
+                node not in self.inflight
+                and now >= self.next_at[node]
+                and len(self.inflight) < self.max_inflight
+            ):
                 self._start(node, ip, port, now)
         for key, _ in self.selector.select(timeout=0):
             node = key.data
@@ -72,7 +81,11 @@ class NodeProbes:
     def _start(self, node: str, ip: str, port: int, now: float) -> None:
         self.next_at[node] = now + PROBE_EVERY_S
         family = socket.AF_INET6 if ":" in ip else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError as e:  # out of descriptors: this driver's trouble, not the node's; next turn
+            log.debug("no socket to probe node %s: %s", node[:8], e)
+            return
         sock.setblocking(False)
         err = sock.connect_ex((ip, port))
         if err in (0, errno.EINPROGRESS):

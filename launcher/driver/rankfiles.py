@@ -5,32 +5,21 @@ the machines measured, so the first lines of 8,192 ranks at once held the sink f
 them the console's; and a file kept open per rank needs as many descriptors, past the usual soft
 limit of 1,024. The files are created ahead, off the output path, by a thread (the console's ranks
 first), and at most as many are kept open as the process's limit allows (raised to its hard
-limit, as Ray does for its own processes): the least recently written is closed first.
+limit, driver/fds.py): the least recently written is closed first.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import resource
 import threading
 from collections import OrderedDict
 from collections.abc import Iterable
 from pathlib import Path
 
-SPARE_FDS = 256  # descriptors left for everything else the sink's process opens (Ray's own)
+from .fds import fd_budget
+
 FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND
-
-
-def fd_budget(wanted: int) -> int:
-    """How many files may stay open: up to `wanted`, within the descriptor limit, raised if need be."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < wanted + SPARE_FDS:
-        target = wanted + SPARE_FDS if hard == resource.RLIM_INFINITY else min(hard, wanted + SPARE_FDS)
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-    return max(16, min(wanted, soft - SPARE_FDS)) if soft != resource.RLIM_INFINITY else wanted
 
 
 class RankFiles:
