@@ -83,6 +83,8 @@ def main() -> int:
         for line in lines:
             if "] t=" in line and list(states)[-1:] == ["running"]:  # not the last lines, after a stop
                 lags.append(now - float(line.split("] t=", 1)[1].split()[0]))
+                if os.environ.get("SCALE_SIM_LAGS"):
+                    print(f"lag {time.monotonic() - t0:.1f} {lags[-1]:.3f}", file=sys.stderr)
         if args.show:
             shown(self, lines)
 
@@ -171,6 +173,8 @@ def main() -> int:
         "launch_sync_rpcs_per_node": round(sum(synced.values()) / nodes, 2),
         "end_sync_rpcs_per_node": round((sum(sync.values()) - sum(synced.values())) / nodes, 2),
         "max_console_lag_s": round(max(lags), 3) if lags else "-",
+        "p50_console_lag_s": round(sorted(lags)[len(lags) // 2], 3) if lags else "-",
+        "console_lags_over_1s": f"{sum(lag > 1 for lag in lags)}/{len(lags)}",
         "console_lines": console.lines,
         "failure_report_lines": report_lines,
         "node_lost_to_stop_s": round(ended[1] - lost_at[0], 2) if lost_at else "-",

@@ -39,31 +39,47 @@ import ray.exceptions
 
 
 class Ref:
-    """An ObjectRef: set once, by the clock thread, an actor's thread, or the event loop."""
+    """An ObjectRef: set once, by the clock thread, an actor's thread, or the event loop. Whoever
+    waits for it is woken by it alone (Ray's wait does not wake the driver for others' results)."""
 
-    __slots__ = ("__weakref__", "_callbacks", "_done", "_error", "_value")
+    __slots__ = ("__weakref__", "_callbacks", "_done", "_error", "_lock", "_value", "_waiters")
 
     def __init__(self):
         self._done = False
         self._value = self._error = None
         self._callbacks: list[Callable[[Ref], None]] = []
+        self._waiters: set[threading.Event] = set()
+        self._lock = threading.Lock()
 
     def set(self, value: Any = None, error: BaseException | None = None) -> None:
-        with SIM.cond:
+        with self._lock:
             if self._done:
                 return
             self._value, self._error, self._done = value, error, True
             callbacks, self._callbacks = self._callbacks, []
-            SIM.cond.notify_all()
+            waiters, self._waiters = self._waiters, set()
+        for event in waiters:
+            event.set()
         for cb in callbacks:
             cb(self)
 
     def add_done_callback(self, cb: Callable[[Ref], None]) -> None:
-        with SIM.cond:
+        with self._lock:
             if not self._done:
                 self._callbacks.append(cb)
                 return
         cb(self)
+
+    def _watch(self, event: threading.Event) -> bool:
+        """Wake `event` when done; whether it is done already."""
+        with self._lock:
+            if not self._done:
+                self._waiters.add(event)
+            return self._done
+
+    def _unwatch(self, event: threading.Event) -> None:
+        with self._lock:
+            self._waiters.discard(event)
 
     def result(self) -> Any:
         if self._error is not None:
@@ -176,29 +192,31 @@ SIM = Sim()
 def get(refs: Any, timeout: float | None = None) -> Any:
     single = isinstance(refs, Ref)
     items = [refs] if single else list(refs)
-    deadline = None if timeout is None else time.monotonic() + timeout
-    with SIM.cond:
-        while not all(r._done for r in items):
-            left = None if deadline is None else deadline - time.monotonic()
-            if left is not None and left <= 0:
-                raise ray.exceptions.GetTimeoutError("sim: get timed out")
-            SIM.cond.wait(timeout=left)
+    _, pending = wait(items, num_returns=len(items), timeout=timeout)
+    if pending:
+        raise ray.exceptions.GetTimeoutError("sim: get timed out")
     values = [r.result() for r in items]
     return values[0] if single else values
 
 
 def wait(refs: list, *, num_returns: int = 1, timeout: float | None = None, **_: Any) -> tuple[list, list]:
     deadline = None if timeout is None else time.monotonic() + timeout
-    with SIM.cond:
+    event = threading.Event()
+    watched = [r for r in refs if not r._watch(event)]
+    try:
         while True:
-            done = [r for r in refs if r._done]
+            done = sum(r._done for r in refs)
             left = None if deadline is None else deadline - time.monotonic()
-            if len(done) >= num_returns or (left is not None and left <= 0):
+            if done >= num_returns or (left is not None and left <= 0):
                 break
-            SIM.cond.wait(timeout=left)
-    done = done[:num_returns]
-    chosen = set(map(id, done))
-    return done, [r for r in refs if id(r) not in chosen]
+            event.wait(timeout=left)
+            event.clear()
+    finally:
+        for r in watched:
+            r._unwatch(event)
+    ready = [r for r in refs if r._done][:num_returns]
+    chosen = set(map(id, ready))
+    return ready, [r for r in refs if id(r) not in chosen]
 
 
 def kill(actor: Any, no_restart: bool = True) -> None:

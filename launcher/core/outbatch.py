@@ -15,7 +15,7 @@ from typing import Any
 MIN_BATCH_BYTES = 64 << 10
 MAX_BATCH_BYTES = 4 << 20
 ALL_BATCHES_BYTES = 64 << 20  # every node's batch in flight together, at most (one each)
-CALLS_PER_S = 2000  # batches a second the sink gets from all the nodes together, at most
+CALLS_PER_S = 1000  # batches a second the sink gets from all the nodes together, at most
 MIN_EVERY_S = 0.05  # how long a burst is gathered into one batch on a small job
 
 
