@@ -130,21 +130,31 @@ def main() -> int:
     cpu0, t0 = time.thread_time(), time.monotonic()
     error: BaseException | None = None
     result = None
-    profile = None
-    if os.environ.get("SCALE_SIM_PROFILE"):  # where the driver's main thread spends its time
-        import cProfile
+    samples: Counter[str] = Counter()
+    if os.environ.get("SCALE_SIM_PROFILE"):  # where the driver's main thread is, sampled every 5 ms
+        import threading
 
-        profile = cProfile.Profile()
-        profile.enable()
+        main_id = threading.get_ident()
+
+        def sample() -> None:
+            while True:
+                time.sleep(0.005)
+                frame = sys._current_frames().get(main_id)
+                where = []
+                while frame is not None and len(where) < 3:
+                    code = frame.f_code
+                    if "launcher" in code.co_filename or not where:
+                        where.append(f"{Path(code.co_filename).name}:{code.co_name}")
+                    frame = frame.f_back
+                samples[" < ".join(where)] += 1
+
+        threading.Thread(target=sample, daemon=True).start()
     try:
         result = launch(spec)
     except MegarayError as e:
         error = e
-    if profile is not None:
-        import pstats
-
-        profile.disable()
-        pstats.Stats(profile, stream=sys.stderr).sort_stats("tottime").print_stats(25)
+    for where, n in samples.most_common(25):
+        print(f"{n:6d} {where}", file=sys.stderr)
     wall = time.monotonic() - t0
     cpu = time.thread_time() - cpu0
     # as the command prints it (cli/main.py): a rank failure's whole report, else the one line
@@ -179,6 +189,10 @@ def main() -> int:
         "failure_report_lines": report_lines,
         "node_lost_to_stop_s": round(ended[1] - lost_at[0], 2) if lost_at else "-",
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
+        # how late the simulation's own event loop ran (the ranks and forwarders): its load, not megaray's
+        "sim_loop_lag_p50_s": round(sorted(sim.loop_lags)[len(sim.loop_lags) // 2], 3)
+        if sim.loop_lags
+        else "-",
     }
     print("sync GCS calls: " + ", ".join(f"{k} {v}" for k, v in sorted(sync.items())), file=sys.stderr)
     if error is not None:

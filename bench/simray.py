@@ -125,8 +125,16 @@ class Sim:
         self.kv: dict[tuple[str | None, str], Any] = {}
         self.loop = asyncio.new_event_loop()
         self.driver_node = "e" * 56  # not one of the simulated nodes (theirs count up from 0)
+        self.loop_lags: list[float] = []  # how late the simulation's event loop wakes: its own load
         threading.Thread(target=self.loop.run_forever, name="sim-loop", daemon=True).start()
+        asyncio.run_coroutine_threadsafe(self._loop_lag(), self.loop)
         threading.Thread(target=self._clock, name="sim-clock", daemon=True).start()
+
+    async def _loop_lag(self) -> None:
+        while True:
+            t = time.monotonic()
+            await asyncio.sleep(0.1)
+            self.loop_lags.append(time.monotonic() - t - 0.1)
 
     def at(self, when: float, fn: Callable[[], None]) -> None:
         with self.cond:

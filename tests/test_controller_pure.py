@@ -373,6 +373,9 @@ def test_probes_are_spread_over_a_second_and_kept_within_the_descriptor_limit():
     try:
         starts = sorted(probes.next_at.values())
         assert starts[0] == 0.0 and 0.99 <= starts[-1] < 1.0 and len(set(starts)) == 1000
+        many = NodeProbes({f"n{i}": ("127.0.0.1", 9) for i in range(4096)})
+        assert many.every == 2.048  # the driver sends 2,000 a second at most
+        many.close()
         probes.max_inflight = 50
         now[0] = 1.0  # every probe due: only 50 go out, the rest on later turns
         probes.tick()

@@ -79,17 +79,18 @@ def kill_actors(actors: Iterable[Any]) -> None:
 def wait_all(refs: list, timeout_s: float, stop: StopSignal, check: Callable[[], None] | None = None) -> list:
     """`ray.wait` for all refs, in slices so a stop signal is seen quickly; returns the ready ones.
     `check` runs every slice too (and may raise): the nodes' probes while ranks start."""
-    want = len(refs)
     deadline = time.monotonic() + timeout_s
     ready: list = []
+    pending = list(refs)  # each slice asks about these only: 32,768 actors start over a minute
     while True:
         stop.check()
         if check is not None:
             check()
         left = deadline - time.monotonic()
-        if len(ready) >= want or left <= 0:
+        if not pending or left <= 0:
             return ready
-        ready, _ = ray.wait(refs, num_returns=want, timeout=min(left, 0.25))
+        done, pending = ray.wait(pending, num_returns=len(pending), timeout=min(left, 0.25))
+        ready += done
 
 
 def first_line(e: BaseException) -> str:

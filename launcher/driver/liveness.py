@@ -12,7 +12,7 @@ import socket
 import time
 from collections.abc import Callable
 
-from ..core.liveness import PROBE_EVERY_S, PROBE_TIMEOUT_S, Liveness
+from ..core.liveness import PROBE_TIMEOUT_S, Liveness, probe_every
 from .fds import fd_budget
 
 log = logging.getLogger("megaray")
@@ -38,7 +38,8 @@ class NodeProbes:
         # spread over a period, not all at once: a thousand sockets opened in one turn would pass the
         # usual limit of 1,024 descriptors, and the answers would all come in one turn too
         n = max(1, len(addresses))
-        self.next_at = {node: now + PROBE_EVERY_S * i / n for i, node in enumerate(addresses)}
+        self.every = probe_every(n)
+        self.next_at = {node: now + self.every * i / n for i, node in enumerate(addresses)}
         self.max_inflight = fd_budget(len(addresses))
         self.inflight: dict[str, tuple[socket.socket, float]] = {}
         self.selector = selectors.DefaultSelector()
@@ -79,7 +80,7 @@ class NodeProbes:
         return self.liveness.lost(now)
 
     def _start(self, node: str, ip: str, port: int, now: float) -> None:
-        self.next_at[node] = now + PROBE_EVERY_S
+        self.next_at[node] = now + self.every
         family = socket.AF_INET6 if ":" in ip else socket.AF_INET
         try:
             sock = socket.socket(family, socket.SOCK_STREAM)
