@@ -3,7 +3,8 @@
 - naming an actor costs a synchronous GCS round trip in `.remote()` (so a launch's rank actors are
   unnamed);
 - an async actor's calls share one concurrency limit, which pending waits hold: with every slot
-  waiting, no other call runs (so the output sink's stop waits have a group of their own);
+  waiting, no other call runs (so the ranks' stop waits, on each node's forwarder, have a group of
+  their own);
 - the placement group table is one call for every group (so placement reads it once, not per group).
 
     python bench/ray_assumptions.py --actors 300 --groups 32

@@ -120,6 +120,8 @@ class Sim:
         self.actor_gap_s = 1 / 550
         self.next_actor_at = 0.0
         self.nodes: dict[str, dict[str, Any]] = {}
+        self.node_ids: list[str] = []
+        self.place_from = 0  # nodes before it are full
         self.listeners: dict[str, socket.socket] = {}
         self.groups: dict[str, SimGroup] = {}
         self.kv: dict[tuple[str | None, str], Any] = {}
@@ -162,6 +164,7 @@ class Sim:
             listener.listen(64)
             self.listeners[node_id] = listener
             ip = f"10.{(i >> 16) & 255}.{(i >> 8) & 255}.{i & 255}"
+            self.node_ids.append(node_id)
             self.nodes[node_id] = {
                 "NodeID": node_id, "Alive": True, "NodeManagerAddress": ip,
                 "NodeManagerHostname": f"node{i}", "NodeManagerPort": listener.getsockname()[1],
@@ -536,15 +539,16 @@ class SimGroup:
         need: Counter[str] = Counter()
         for b in self.bundles:
             need.update(b)
-        for node_id, node in SIM.nodes.items():
-            free = node["free"]
-            if (
-                node["Alive"]
-                and node_id not in self.excluded
-                and all(free.get(k, 0) >= v for k, v in need.items())
-            ):
+        ids = SIM.node_ids
+        i = SIM.place_from
+        while i < len(ids) and not _fits(SIM.nodes[ids[i]]["free"], need):  # full nodes stay full
+            i += 1
+        SIM.place_from = i  # until a group is removed: the GCS's own scan is not what is measured
+        for node_id in ids[i:]:
+            node = SIM.nodes[node_id]
+            if node["Alive"] and node_id not in self.excluded and _fits(node["free"], need):
                 for k, v in need.items():
-                    free[k] -= v
+                    node["free"][k] -= v
                 self.node, self.state = node_id, "CREATED"
                 self._ready.set(True)
                 return
@@ -559,7 +563,12 @@ class SimGroup:
                 need.update(b)
             for k, v in need.items():
                 SIM.nodes[self.node]["free"][k] += v
+            SIM.place_from = 0
         self.state = "REMOVED"
+
+
+def _fits(free: dict[str, float], need: Counter[str]) -> bool:
+    return all(free.get(k, 0) >= v for k, v in need.items())
 
 
 class _Id:
