@@ -16,15 +16,15 @@ from dataclasses import dataclass, field
 
 PROBE_EVERY_S = 1.0
 MAX_PROBES_PER_S = 2000  # the driver's cost, about 0.1 ms of CPU a probe: above 2,000 nodes, less often
+PROBE_TIMEOUT_S = 1.0
+LOST_AFTER_MISSES = 3
+LOST_AFTER_S = 4.0
 
 
 def probe_every(nodes: int) -> float:
     """Seconds between two probes of a node: each second up to 2,000 nodes, then so that the driver
     sends 2,000 a second (4,096 nodes: every 2 s; a lost node is then told in about 8 s, not 5)."""
     return max(PROBE_EVERY_S, nodes / MAX_PROBES_PER_S)
-PROBE_TIMEOUT_S = 1.0
-LOST_AFTER_MISSES = 3
-LOST_AFTER_S = 4.0
 
 
 @dataclass
