@@ -241,3 +241,51 @@ def test_batches_scale_with_the_nodes():
     """At most 64 MiB in flight for all nodes together and 1,000 sink calls a second."""
     assert batch_bytes(1) == 4 << 20 and batch_bytes(1024) == 64 << 10 and batch_bytes(100_000) == 64 << 10
     assert send_every(8) == 0.05 and send_every(1024) == pytest.approx(1.024)
+
+
+def test_a_forwarders_flush_waits_for_what_it_held_not_for_what_keeps_coming():
+    """A rank that returns flushes its node's forwarder (rank/capture.py): that must not wait for the
+    node's other ranks, which may print until the end of the run. The forwarder's own logic, against a
+    stand-in for the driver's sink that takes 20 ms a batch."""
+    import asyncio
+
+    from launcher.rank.forwarder import NodeForwarder
+
+    class Take:
+        def __init__(self, batches: list):
+            self.batches = batches
+
+        def remote(self, batch):
+            async def taken():
+                await asyncio.sleep(0.02)
+                self.batches.append(batch)
+
+            return taken()
+
+    class Sink:
+        def __init__(self):
+            self.batches: list = []
+            self.take = Take(self.batches)
+
+    async def main() -> list:
+        sink = Sink()
+        forwarder = NodeForwarder(sink, frozenset(), nodes=1024)  # gathers for a second between batches
+        printing = True
+
+        async def chatty() -> None:
+            offset = 0
+            while printing:
+                await forwarder.write(1, b"more\n", offset)
+                offset += 5
+                await asyncio.sleep(0.005)
+
+        other = asyncio.create_task(chatty())
+        await asyncio.sleep(0.1)
+        await forwarder.write(0, b"last words\n", 0)
+        await asyncio.wait_for(forwarder.flush(), timeout=5)  # returns: the other rank still prints
+        printing = False
+        await other
+        await forwarder.close()
+        return [c for b in sink.batches for c in b.chunks if c[0] == 0]
+
+    assert asyncio.run(main()) == [(0, 0, b"last words\n")]

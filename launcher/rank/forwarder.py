@@ -36,6 +36,8 @@ class NodeForwarder:
         self.held = Held(console=console)
         self.budget, self.every = batch_bytes(nodes), send_every(nodes)
         self.sending = False
+        self.added = 0  # calls that brought something to send
+        self.acked = 0  # of those, how many the sink has: all before a batch that emptied what was held
         self.failed = False  # the sink is gone (the driver with it): output is dropped, nobody waits
         self._wake: asyncio.Event | None = None
         self._urgent = asyncio.Event()  # what the console shows arrived: send it soon
@@ -58,24 +60,30 @@ class NodeForwarder:
             room.clear()
             await room.wait()
         self.held.add(rank, data, start)
+        self.added += 1
         wake.set()
         if rank in self.held.console:
             self._urgent.set()
 
     async def report(self, rank: int, record: dict[str, Any]) -> None:
         self.held.reports.append((rank, record))
+        self.added += 1
         self._events()[0].set()
         self._urgent.set()
 
     async def waits(self, rank: int, samples: int, waiting: int) -> None:
         self.held.waits.append((rank, samples, waiting))
+        self.added += 1
         self._events()[0].set()
 
     async def flush(self) -> None:
-        """Returns once what was held at the call has reached the sink (or the sink is gone)."""
+        """Returns once what was held at the call has reached the sink (or the sink is gone): not
+        what the node's other ranks print meanwhile, which may never stop."""
         wake, _ = self._events()
-        while (self.held or self.sending) and not self.failed:
+        target = self.added
+        while self.acked < target and not self.failed:
             wake.set()
+            self._urgent.set()  # no gathering: someone waits
             await asyncio.sleep(0.01)
 
     async def _send(self) -> None:
@@ -92,10 +100,13 @@ class NodeForwarder:
                     await asyncio.wait_for(urgent.wait(), self.every - MIN_EVERY_S)
             self.sending = True
             batch = self.held.take(self.budget)
+            upto = None if self.held else self.added  # everything added so far is in this batch
             room.set()
             try:
                 if batch and not self.failed:
                     await self.sink.take.remote(batch)
+                if upto is not None:
+                    self.acked = max(self.acked, upto)
             except Exception as e:  # the sink is gone: the driver is going too
                 log.warning("rank output is no longer sent to the driver: %s", e)
                 self.failed = True
