@@ -603,3 +603,17 @@ def test_a_busy_machine_and_a_stopped_rank_are_not_a_lost_node(out, capsys):
     err = capsys.readouterr().err
     assert "was lost" not in err and "no answer" not in err
     assert leftovers("notlost") == ([], [])
+
+
+def test_sixteen_ranks_importing_torch_on_two_cores_are_not_a_lost_node(tmp_path, capsys):
+    """The machine at 100% for half a minute: 16 ranks starting Ray workers, importing torch and
+    joining gloo on 2 cores (bench/barrier.py, unchanged). The node's raylet port is answered by the
+    kernel all the same: megaray's probes hear it, and the job ends well."""
+    done = tmp_path / "barrier"
+    done.mkdir()
+    assert launch("busy16", "--device", "cpu", "--gpus-per-node", "16", "--cpus-per-rank", "0.25",
+                  str(REPO / "bench" / "barrier.py"), "--out", str(done)) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert "was lost" not in err and "no answer" not in err
+    assert len(list(done.iterdir())) == 16  # every rank past the barrier
+    assert leftovers("busy16") == ([], [])
