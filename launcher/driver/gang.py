@@ -153,8 +153,8 @@ class RankGang:
 
     def start(self, sink: Any = None, outputs: Mapping[str, Any] | None = None) -> list[dict[str, str]]:
         """Actors (unless adopted), port, env; rank output goes to `sink` when given, through the
-        forwarder of each rank's node (`outputs`, by node id; driver/relay.py). Returns the whole
-        environment each rank's process then has, by rank."""
+        forwarder of each rank's node (`outputs`, one for every node: driver/relay.py). Returns the
+        whole environment each rank's process then has, by rank."""
         # a launch probes its nodes from here on; a rank group's calls are short: Ray's checks suffice
         probes = NodeProbes(raylet_addresses({s.node_id for s in self.slots})) if sink is not None else None
         self.watch = RankWatch((), None, probes)  # a node lost while the ranks start is lost to the launch
@@ -177,7 +177,7 @@ class RankGang:
         refs = [
             h.actor.setup.remote(
                 h.env.to_set,
-                (outputs or {}).get(h.slot.node_id, sink) if sink is not None else None,
+                (outputs or {})[h.slot.node_id] if sink is not None else None,
                 h.report.gpu_ids if self.adopted else None,
                 h.replaces_pid,
                 h.spool,

@@ -31,8 +31,12 @@ class RankFiles:
         self.open_max = fd_budget(ranks)
         self.fds: OrderedDict[int, int] = OrderedDict()  # written to, the least recently first
         self.made: dict[int, int] = {}  # opened ahead by the thread, not yet written to
+        self.closed = threading.Event()  # the thread stops opening files
         order = [*first, *range(ranks)]
-        threading.Thread(target=self._create, args=(order,), name="megaray-rank-files", daemon=True).start()
+        self.creator = threading.Thread(
+            target=self._create, args=(order,), name="megaray-rank-files", daemon=True
+        )
+        self.creator.start()
 
     def path(self, rank: int) -> Path:
         return self.folder / f"rank-{rank}.log"
@@ -41,6 +45,8 @@ class RankFiles:
         """Races with write(), harmlessly: O_CREAT on both sides, and a second descriptor of a file
         is closed with the others."""
         for rank in dict.fromkeys(order):
+            if self.closed.is_set():
+                return
             if rank in self.fds:
                 continue
             with contextlib.suppress(OSError):
@@ -64,6 +70,8 @@ class RankFiles:
             data = data[os.write(fd, data) :]
 
     def close(self) -> None:
+        self.closed.set()
+        self.creator.join(timeout=5)  # it stops after the file it is opening: none opened after this
         for fds in (self.fds, self.made):
             while fds:
                 with contextlib.suppress(OSError):

@@ -225,18 +225,23 @@ class OutputRelay:
         self.progress_seen = False
 
     def forward_from(self, node_ids: set[str]) -> dict[str, Any]:
-        """The forwarder each node's ranks send to, started now (before the ranks, to overlap)."""
-        new = sorted(node_ids - set(self.forwarders))
-        if self.sink is not None and new:
-            self.forwarders.update(start_forwarders(self.sink, new, self.console))
+        """The forwarder each node's ranks send to (one attempt's nodes), started now: before the
+        ranks, so that their starts overlap."""
+        if self.sink is not None and not self.forwarders:
+            self.forwarders = start_forwarders(self.sink, sorted(node_ids), self.console)
         return self.forwarders
 
-    def flush(self, timeout_s: float = 5.0) -> None:
-        """What the forwarders hold, into the sink (a node gone has nothing more to give)."""
-        refs = [f.flush.remote() for f in self.forwarders.values()]
+    def _tell_forwarders(self, method: str, timeout_s: float) -> None:
+        """Call `method` on every node's forwarder at once and wait for them all, up to `timeout_s`
+        (a node gone answers nothing)."""
+        refs = [getattr(f, method).remote() for f in self.forwarders.values()]
         if refs:
             with contextlib.suppress(Exception):
                 ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+
+    def flush(self, timeout_s: float = 5.0) -> None:
+        """What the forwarders hold, into the sink."""
+        self._tell_forwarders("flush", timeout_s)
 
     def pump(self, wait_s: float = 0.0, again: bool = True) -> None:
         """Show what the sink collected: the drain asked at the last call once it is back (waited for
@@ -285,10 +290,7 @@ class OutputRelay:
     def stop_ranks(self) -> None:
         """SIGTERM to every rank still running: each waits for it on its node's forwarder and sends it
         to itself (rank/capture.py). The nodes are told together."""
-        if self.forwarders:
-            refs = [f.stop_ranks.remote() for f in self.forwarders.values()]
-            with contextlib.suppress(Exception):
-                ray.wait(refs, num_returns=len(refs), timeout=5)
+        self._tell_forwarders("stop_ranks", timeout_s=5)
 
     def finish(self) -> None:
         """Last lines into the files and onto the console, then stop the forwarders and the sink."""

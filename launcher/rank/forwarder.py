@@ -35,60 +35,55 @@ class NodeForwarder:
         self.sink = sink
         self.held = Held(console=console)
         self.budget, self.every = batch_bytes(nodes), send_every(nodes)
-        self.sending = False
         self.added = 0  # calls that brought something to send
         self.acked = 0  # of those, how many the sink has: all before a batch that emptied what was held
         self.failed = False  # the sink is gone (the driver with it): output is dropped, nobody waits
-        self._wake: asyncio.Event | None = None
+        # an event binds to the loop that first waits on it: these, the default group's (output)
+        self._wake = asyncio.Event()  # something to send
         self._urgent = asyncio.Event()  # what the console shows arrived: send it soon
-        self._room: asyncio.Event | None = None
+        self._room = asyncio.Event()  # what was held went out: a waiting write may add
+        self._stop = asyncio.Event()  # the control group's: the driver stops the ranks
         self._sender: asyncio.Task | None = None
-        self._stop: asyncio.Event | None = None
 
-    def _events(self) -> tuple[asyncio.Event, asyncio.Event]:
-        """Made in the default group's event loop, where output is handled; the sender starts there."""
-        if self._wake is None or self._room is None:
-            self._wake, self._room = asyncio.Event(), asyncio.Event()
+    def _wake_sender(self, urgent: bool = False) -> None:
+        """The sender runs in the default group's event loop, where output is handled: started there,
+        on the first call."""
+        if self._sender is None:
             self._sender = asyncio.get_running_loop().create_task(self._send())
-        return self._wake, self._room
+        self._wake.set()
+        if urgent:
+            self._urgent.set()
 
     async def write(self, rank: int, data: bytes, start: int) -> None:
         """Bytes `start`.. of a rank's spool; returns once there is room for them (the rank's one
         write in flight: rank/capture.py)."""
-        wake, room = self._events()
         while self.held.bytes >= MAX_HELD_BYTES and not self.failed:
-            room.clear()
-            await room.wait()
+            self._room.clear()
+            await self._room.wait()
         self.held.add(rank, data, start)
         self.added += 1
-        wake.set()
-        if rank in self.held.console:
-            self._urgent.set()
+        self._wake_sender(urgent=rank in self.held.console)
 
     async def report(self, rank: int, record: dict[str, Any]) -> None:
         self.held.reports.append((rank, record))
         self.added += 1
-        self._events()[0].set()
-        self._urgent.set()
+        self._wake_sender(urgent=True)
 
     async def waits(self, rank: int, samples: int, waiting: int) -> None:
         self.held.waits.append((rank, samples, waiting))
         self.added += 1
-        self._events()[0].set()
+        self._wake_sender()
 
     async def flush(self) -> None:
         """Returns once what was held at the call has reached the sink (or the sink is gone): not
         what the node's other ranks print meanwhile, which may never stop."""
-        wake, _ = self._events()
         target = self.added
         while self.acked < target and not self.failed:
-            wake.set()
-            self._urgent.set()  # no gathering: someone waits
+            self._wake_sender(urgent=True)  # no gathering: someone waits
             await asyncio.sleep(0.01)
 
     async def _send(self) -> None:
-        wake, room = self._events()
-        urgent = self._urgent
+        wake, room, urgent = self._wake, self._room, self._urgent
         while True:
             await wake.wait()
             wake.clear()
@@ -98,7 +93,6 @@ class NodeForwarder:
                 urgent.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(urgent.wait(), self.every - MIN_EVERY_S)
-            self.sending = True
             batch = self.held.take(self.budget)
             upto = None if self.held else self.added  # everything added so far is in this batch
             room.set()
@@ -111,24 +105,17 @@ class NodeForwarder:
                 log.warning("rank output is no longer sent to the driver: %s", e)
                 self.failed = True
                 room.set()
-            finally:
-                self.sending = False
             if self.held:
                 wake.set()
 
     @ray.method(concurrency_group=CONTROL)
     async def wait_stop(self) -> None:
         """A rank's control thread waits here for the driver's stop (rank/capture.py)."""
-        await self._stop_event().wait()
+        await self._stop.wait()
 
     @ray.method(concurrency_group=CONTROL)  # the event is the control group's loop's
     async def stop_ranks(self) -> None:
-        self._stop_event().set()
-
-    def _stop_event(self) -> asyncio.Event:
-        if self._stop is None:
-            self._stop = asyncio.Event()
-        return self._stop
+        self._stop.set()
 
     async def close(self) -> None:
         if self._sender is not None:
