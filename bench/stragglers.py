@@ -99,7 +99,7 @@ def in_process(rounds: int = 8, steps: int = 300) -> tuple[list[float], list[flo
     from launcher.rank.waits import WaitSampler
 
     class Sink:  # takes the counts the sampler sends
-        waits = property(lambda self: self)
+        sample = property(lambda self: self)
 
         def remote(self, *args) -> None:
             pass

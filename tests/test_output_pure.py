@@ -7,6 +7,7 @@ import pytest
 from launcher.core.outbatch import Held, OutputBatch, batch_bytes, merged, send_every
 from launcher.core.progress import TrainingFacts, parse_megatron_line
 from launcher.core.rankenv import decide_env, redact
+from launcher.core.straggler import WaitSample
 from launcher.core.topology import parse_rank_list
 from launcher.driver.progress_view import ProgressView
 from launcher.driver.relay import OutputSink
@@ -212,10 +213,10 @@ def test_a_nodes_batch_puts_the_console_first_and_gives_every_rank_its_turn():
         held.add(rank, b"x" * 100, 0)
         held.add(rank, b"y" * 100, 100)
     held.reports.append((1, {"iteration": 3}))
-    held.waits.append((2, 10, 7))
+    held.samples.append(WaitSample(2, 0.0, 10, 7))
     first = held.take(budget=250)
     assert [(r, s) for r, s, _ in first.chunks] == [(5, 0), (5, 100), (1, 0), (1, 100), (2, 0)]
-    assert first.reports == ((1, {"iteration": 3}),) and first.waits == ((2, 10, 7),)
+    assert first.reports == ((1, {"iteration": 3}),) and first.samples == (WaitSample(2, 0.0, 10, 7),)
     assert first.writes == 8 and held.bytes == 300
     second = held.take(budget=250)  # rank 2's turn goes on where it stopped, then rank 3
     assert [(r, s) for r, s, _ in second.chunks] == [(2, 100), (3, 0), (3, 100)]
@@ -230,10 +231,10 @@ def test_a_batch_joins_a_ranks_adjacent_chunks_and_the_sink_counts_the_ranks_wri
     ]  # fmt: skip
     sink = OutputSink(str(tmp_path), node_of_rank=[0, 0], console=frozenset({0, 1}))
     sink.take(OutputBatch(((0, 0, b"one\n"), (0, 4, b"two\n"), (1, 0, b"three\n")), ((1, {"iteration": 1}),),
-                          ((0, 5, 2),), writes=3))  # fmt: skip
+                          (WaitSample(0, 0.0, 5, 2),), writes=3))  # fmt: skip
     console, progress, writes = sink.drain()
     assert console == ["[r0 n0] one", "[r0 n0] two", "[r1 n0] three"] and writes == 4
-    assert [p["rank"] for p in progress] == [1, 0] and "waits" in progress[1]
+    assert [p["rank"] for p in progress] == [1, 0] and progress[1]["sample"].at > 0
     assert sink.received_of([0, 1, 2]) == [8, 6, 0]
 
 

@@ -4,12 +4,14 @@ and remove nodes while they run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -279,3 +281,59 @@ def test_the_rank_the_others_wait_for_is_named_while_it_runs(cluster, tmp_path, 
     assert 2.0 <= float(named[0][2]) <= 6.0  # 4x as long a step as its peers, measured roughly
     (record,) = json.loads(found.read_text())
     assert record["rank"] == 3 and record["peers_waiting"] > 0.5 and record["waiting"] < 0.2
+
+
+def _throttle(pid: int, until: threading.Event, busy_s: float = 0.015, stopped_s: float = 0.045) -> None:
+    """A rank made 4x slower from outside, as a slower or shared device would be: stopped 75% of the
+    time until `until` is set (and always let go)."""
+    try:
+        while not until.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(stopped_s)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(busy_s)
+    except ProcessLookupError:
+        return
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)
+
+
+@pytest.mark.parametrize("slow", [True, False], ids=["rank 2 slowed", "balanced"])
+def test_the_megatron_target_names_a_rank_whose_forward_steps_are_slow(cluster, tmp_path, slow):
+    """The dry-run trainer (Megatron's schedule, TP 1 x PP 1 x DP 3 on CPU) with its forward steps
+    timed by megaray: rank 2, made 4x slower once training has begun, is named with its node and both
+    step times; a balanced run names nobody."""
+    job = "mslow" if slow else "meven"
+    args = "--device cpu --nodes 1 --gpus-per-node 3 --cpus-per-rank 0.5 --dry-run steps=250"
+    proc = driver(cluster, job, tmp_path, args)
+    topology = tmp_path / job / "topology.json"
+    wait_for_line(topology, r'"pid"', proc, timeout_s=120)
+    ranks = json.loads(topology.read_text())["ranks"]
+    named = threading.Event()
+    throttler = threading.Thread(target=_throttle, args=(ranks[2]["pid"], named), daemon=True)
+    lines: list[str] = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if slow and "progress: iteration" in line and not throttler.is_alive() and not named.is_set():
+                throttler.start()  # from the first step: the ranks' imports are not what is timed
+            if " is slow: " in line:
+                named.set()  # the trainer runs on at full speed
+        proc.wait(timeout=240)
+    finally:
+        named.set()
+        if throttler.is_alive():
+            throttler.join()
+    out = "".join(lines)
+    assert proc.returncode == 0, out[-4000:]
+    found = tmp_path / job / "stragglers.json"
+    slow_line = r"megaray: rank (\d+) on (\S+) \(\S+\) is slow: about ([\d.]+)x its peers' time per forward"
+    said = re.findall(slow_line, out)
+    if not slow:
+        assert said == [] and not found.exists(), out[-3000:]
+        return
+    assert [(r, ip) for r, ip, _ in said] == [("2", ranks[2]["node_ip"])], out[-3000:]
+    (record,) = json.loads(found.read_text())
+    assert record["rank"] == 2 and record["stage"] == 0, record
+    assert record["step_s"] > 2 * record["peers_step_s"], record  # 4x, measured roughly

@@ -8,18 +8,18 @@ import logging
 
 import pytest
 
-from launcher.core.straggler import CONFIRM_S, StragglerDetector, WaitSample
+from launcher.core.straggler import CONFIRM_S, SLOWER_BY, StepDetector, StepSample, WaitDetector, WaitSample
 from launcher.driver.stragglers import StragglerWatch
 
 EVERY = 2.5  # seconds between a rank's sends, 25 looks each
 
 
-def feed(detector: StragglerDetector, t: float, waiting: dict[int, float]) -> None:
+def feed(detector: WaitDetector, t: float, waiting: dict[int, float]) -> None:
     for rank, fraction in waiting.items():
         detector.add(WaitSample(rank, t, 25, round(25 * fraction)))
 
 
-def run(detector: StragglerDetector, seconds: float, waiting: dict[int, float], start: float = 0.0):
+def run(detector: WaitDetector, seconds: float, waiting: dict[int, float], start: float = 0.0):
     changes = []
     t = start
     while t < start + seconds:
@@ -30,7 +30,7 @@ def run(detector: StragglerDetector, seconds: float, waiting: dict[int, float], 
 
 
 def test_the_rank_its_peers_wait_for_is_named_after_it_stays_slow_with_its_slowdown():
-    d = StragglerDetector(4)
+    d = WaitDetector(4)
     changes = run(d, 15, {0: 0.76, 1: 0.72, 2: 0.76, 3: 0.0})
     named = [(t, s) for t, c in changes for s in c.named]
     assert len(named) == 1
@@ -49,11 +49,11 @@ def test_the_rank_its_peers_wait_for_is_named_after_it_stays_slow_with_its_slowd
     ],
 )
 def test_nobody_is_named_without_a_few_ranks_holding_up_the_rest(waiting):
-    assert not any(c.named for _, c in run(StragglerDetector(4), 30, waiting))
+    assert not any(c.named for _, c in run(WaitDetector(4), 30, waiting))
 
 
 def test_a_named_rank_that_catches_up_is_said_to_have_recovered_once_its_slow_samples_age_out():
-    d = StragglerDetector(2)
+    d = WaitDetector(2)
     run(d, 10, {0: 0.6, 1: 0.0})
     assert list(d.named) == [1]
     changes = run(d, 30, {0: 0.3, 1: 0.3}, start=10)
@@ -62,7 +62,7 @@ def test_a_named_rank_that_catches_up_is_said_to_have_recovered_once_its_slow_sa
 
 
 def test_nothing_is_decided_until_every_rank_has_sent_enough_looks():
-    d = StragglerDetector(3)
+    d = WaitDetector(3)
     for t in (2.5, 5.0, 7.5, 10.0):
         feed(d, t, {0: 0.8, 1: 0.8})  # rank 2 never sent
         assert not d.look(t).named
@@ -74,13 +74,13 @@ def test_the_watch_says_the_rank_and_node_and_writes_stragglers_json(tmp_path, c
     with caplog.at_level(logging.INFO, logger="megaray"):
         for step in range(1, 6):
             now[0] = step * EVERY
-            watch.sample(0, now[0], 25, 18)
-            watch.sample(1, now[0], 25, 0)
+            watch.sample(WaitSample(0, now[0], 25, 18))
+            watch.sample(WaitSample(1, now[0], 25, 0))
             watch.look()
         for step in range(6, 20):
             now[0] = step * EVERY
-            watch.sample(0, now[0], 25, 8)
-            watch.sample(1, now[0], 25, 8)
+            watch.sample(WaitSample(0, now[0], 25, 8))
+            watch.sample(WaitSample(1, now[0], 25, 8))
             watch.look()
     lines = [r.getMessage() for r in caplog.records]
     assert any(m.startswith("rank 1 on 10.0.0.2 (b) is slow: about 3.6x") for m in lines), lines
@@ -91,8 +91,70 @@ def test_the_watch_says_the_rank_and_node_and_writes_stragglers_json(tmp_path, c
 
 
 def test_samples_are_kept_for_the_window_only_even_when_nothing_can_be_decided():
-    d = StragglerDetector(3, window_s=7.5)  # rank 2 never sends: no decision, ever
+    d = WaitDetector(3, window_s=7.5)  # rank 2 never sends: no decision, ever
     for i in range(1, 1000):
         feed(d, i * EVERY, {0: 0.8, 1: 0.8})
         d.look(i * EVERY)
     assert max(len(q) for q in d.samples.values()) <= 4
+
+
+# -- the Megatron target's forward step times (megatron/steptimes.py) --------------------------------
+
+
+def run_steps(detector: StepDetector, seconds: float, step_s: dict[int, tuple[int, float]], start=0.0):
+    """Every EVERY seconds each rank sends how many forward steps of `step_s[rank] = (stage, s)` it ran."""
+    changes, t = [], start
+    while t < start + seconds:
+        t += EVERY
+        for rank, (stage, s) in step_s.items():
+            steps = max(1, round(EVERY / s))
+            detector.add(StepSample(rank, t, stage, steps, steps * s))
+        changes.append((t, detector.look(t)))
+    return changes
+
+
+def test_a_rank_whose_forward_steps_take_longer_than_its_stage_peers_is_named_with_both_times():
+    # two pipeline stages of three data-parallel ranks; stage 1 runs longer steps (the loss), rank 4
+    # 2x its stage peers
+    times = {0: (0, 0.10), 1: (0, 0.11), 2: (0, 0.10), 3: (1, 0.20), 4: (1, 0.40), 5: (1, 0.21)}
+    changes = run_steps(StepDetector(6), 15, times)
+    named = [(t, s) for t, c in changes for s in c.named]
+    assert [s.rank for _, s in named] == [4]
+    t, s = named[0]
+    assert t - s.since >= CONFIRM_S and s.slowdown == pytest.approx(1.95, rel=0.05)
+    said = "about 2.0x its peers' time per forward step (400 ms against 205 ms on pipeline stage 1)"
+    assert s.describe() == said
+    assert s.figures() == {"stage": 1, "step_s": 0.4, "peers_step_s": 0.205}
+
+
+@pytest.mark.parametrize(
+    "times",
+    [
+        {0: (0, 0.10), 1: (0, 0.12), 2: (0, 0.11), 3: (0, 0.13)},  # balanced, within SLOWER_BY
+        {0: (0, 0.10), 1: (1, 0.30)},  # stages of one rank: nobody to compare with
+        {0: (0, 0.10), 1: (0, 0.30), 2: (0, 0.30), 3: (0, 0.30)},  # three slow: not a few holding up the rest
+    ],
+)
+def test_no_forward_step_straggler_without_a_few_ranks_slower_than_their_stage_peers(times):
+    assert not any(c.named for _, c in run_steps(StepDetector(len(times)), 30, times))
+
+
+def test_a_forward_step_straggler_that_catches_up_recovers_and_the_threshold_is_the_stated_one():
+    d = StepDetector(3)
+    run_steps(d, 10, {0: (0, 0.1), 1: (0, 0.1), 2: (0, 0.1 * SLOWER_BY * 1.05)})
+    assert list(d.named) == [2]
+    changes = run_steps(d, 20, {0: (0, 0.1), 1: (0, 0.1), 2: (0, 0.1 * SLOWER_BY * 0.95)}, start=10)
+    assert [s.rank for _, c in changes for s in c.recovered] == [2] and not d.named
+
+
+def test_the_watch_takes_both_kinds_of_sample_and_keeps_the_step_figures(tmp_path):
+    now = [0.0]
+    watch = StragglerWatch(tmp_path, ["10.0.0.1 (a)", "10.0.0.1 (a)", "10.0.0.2 (b)"], clock=lambda: now[0])
+    for step in range(1, 8):
+        now[0] = step * EVERY
+        for rank, s in ((0, 0.05), (1, 0.05), (2, 0.2)):
+            watch.sample(StepSample(rank, now[0], 0, 10, 10 * s))
+        watch.look()
+    (record,) = json.loads((tmp_path / "stragglers.json").read_text())
+    assert record["rank"] == 2 and record["node"] == "10.0.0.2 (b)" and record["slowdown"] == 4.0
+    assert record["step_s"] == 0.2 and record["peers_step_s"] == 0.05 and record["stage"] == 0

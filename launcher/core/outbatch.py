@@ -12,6 +12,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from .straggler import Sample
+
 MIN_BATCH_BYTES = 64 << 10
 MAX_BATCH_BYTES = 4 << 20
 ALL_BATCHES_BYTES = 64 << 20  # every node's batch in flight together, at most (one each)
@@ -21,16 +23,17 @@ MIN_EVERY_S = 0.05  # how long a burst is gathered into one batch on a small job
 
 @dataclass(frozen=True)
 class OutputBatch:
-    """Rank output by offset in each rank's spool, progress reports, and wait samples (rank/waits.py);
+    """Rank output by offset in each rank's spool, progress reports, and straggler samples
+    (core/straggler.py);
     `writes` counts the ranks' own writes in it: the activity hang detection watches."""
 
     chunks: tuple[tuple[int, int, bytes], ...] = ()  # (rank, start, data)
     reports: tuple[tuple[int, dict[str, Any]], ...] = ()
-    waits: tuple[tuple[int, int, int], ...] = ()  # (rank, samples, waiting)
+    samples: tuple[Sample, ...] = ()
     writes: int = 0
 
     def __bool__(self) -> bool:
-        return bool(self.chunks or self.reports or self.waits)
+        return bool(self.chunks or self.reports or self.samples)
 
 
 def batch_bytes(nodes: int) -> int:
@@ -50,7 +53,7 @@ class Held:
     console: frozenset[int] = frozenset()
     chunks: dict[int, list[tuple[int, bytes]]] = field(default_factory=dict)
     reports: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
-    waits: list[tuple[int, int, int]] = field(default_factory=list)
+    samples: list[Sample] = field(default_factory=list)
     bytes: int = 0
     writes: int = 0
     turn: int = 0  # where the last batch's ranks left off, so that each rank gets its turn
@@ -87,13 +90,13 @@ class Held:
                 break
         else:
             self.turn = 0
-        batch = OutputBatch(tuple(taken), tuple(self.reports), tuple(self.waits), self.writes)
+        batch = OutputBatch(tuple(taken), tuple(self.reports), tuple(self.samples), self.writes)
         self.bytes -= size
-        self.reports, self.waits, self.writes = [], [], 0
+        self.reports, self.samples, self.writes = [], [], 0
         return batch
 
     def __bool__(self) -> bool:
-        return bool(self.chunks or self.reports or self.waits)
+        return bool(self.chunks or self.reports or self.samples)
 
 
 def merged(chunks: Iterable[tuple[int, int, bytes]]) -> list[tuple[int, int, bytes]]:

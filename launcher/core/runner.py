@@ -25,6 +25,9 @@ class TargetRunner:
     resumes itself, as under torchrun), torch imported ahead by a warm spare."""
 
     relays_output = True  # megaray collects its ranks' output (driver/relay.py), not Ray's log streaming
+    # straggler detection looks at the rank's stack (rank/waits.py); a target that times its own steps
+    # (the Megatron targets: megatron/steptimes.py) needs no looks
+    looks_at_waits = True
 
     # -- on a rank ----------------------------------------------------------------------------------
     def run(self, target: Target, cwd: str) -> Any:

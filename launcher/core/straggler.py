@@ -1,33 +1,44 @@
-"""Which rank the others wait for, from where each rank's main thread is when sampled (rank/waits.py).
+"""Which rank the others wait for, decided without processes; the driver feeds it and says what it
+finds (driver/stragglers.py). Two kinds of evidence, one detector each, registered by the sample they
+take (`DETECTORS`):
 
-In a synchronous job every step ends in a collective, and a rank that computes longer than its peers
-makes each of them wait inside that collective for the difference: the peers' samples land in
-`torch.distributed` most of the time, the slow rank's almost never. No code change and no step
-boundary is needed to see it; the ratio of the two gives the slow rank's compute per step against
-its peers'. Decided here, without processes; the driver feeds it and says what it finds
-(driver/stragglers.py).
+- Where each rank's main thread is when looked at (rank/waits.py), for any program. In a synchronous
+  job every step ends in a collective, and a rank that computes longer than its peers makes each of
+  them wait inside that collective for the difference: the peers' looks land in `torch.distributed`
+  most of the time, the slow rank's almost never. No code change and no step boundary is needed.
+- The Megatron target's own forward steps, timed on each rank (megatron/steptimes.py): on a GPU the
+  CPU does not wait in the collectives (NCCL runs on the device), so looks at the stack cannot see
+  who is slow; the time each forward step takes on the device can. A rank is compared with the
+  ranks of its own pipeline stage, which run the same layers.
 """
 
 from __future__ import annotations
 
 import statistics
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any, ClassVar
 
 # samples older than this are forgotten: the ranks' start (imports, rendezvous) must not dilute the
 # figures (with 15 s, peers waiting 75% of each step were seen waiting 50% when their straggler was
 # named), and a rank that recovers is seen to
 WINDOW_S = 7.5
-MIN_SAMPLES = 25  # per rank in the window before anything is decided (2.5 s at 10 samples/s)
+CONFIRM_S = 4.0  # a suspect must stay one this long (two looks) before it is named
+
+MIN_SAMPLES = 25  # looks per rank in the window before anything is decided (2.5 s at 10 looks/s)
 PEERS_WAITING_MIN = 0.3  # peers waiting less than this are not held up enough to name anyone
 AS_LITTLE_AS = 1 / 3  # a suspect waits at most this fraction of what its peers' median waits
-CONFIRM_S = 4.0  # a suspect must stay one this long (two looks) before it is named
+
+MIN_STEPS = 5  # forward steps per rank in the window before its time is compared
+# a suspect's forward step takes at least this many times its stage peers' median: nvidia-resiliency-
+# ext's straggler detection flags a GPU below 0.7 of its peers' performance by default (1 / 0.7)
+SLOWER_BY = 1.4
 
 
 @dataclass(frozen=True)
 class WaitSample:
-    """From one rank: of `samples` looks at its main thread up to `at`, `waiting` were inside a
-    collective."""
+    """From one rank (rank/waits.py): of `samples` looks at its main thread, `waiting` were inside a
+    collective. `at` is the sink's clock when it arrived (the nodes' clocks need not agree)."""
 
     rank: int
     at: float
@@ -36,25 +47,73 @@ class WaitSample:
 
 
 @dataclass(frozen=True)
-class Straggler:
-    """A rank its peers wait for."""
+class StepSample:
+    """From one rank of the Megatron target (megatron/steptimes.py): `steps` forward steps took
+    `seconds` in all; `stage` is its pipeline stage (its peers are the ranks of the same one)."""
 
     rank: int
-    waiting: float  # the fraction of its samples inside a collective
-    peers_waiting: float  # the median fraction of the other ranks'
-    since: float  # when it was first seen slow
+    at: float
+    stage: int
+    steps: int
+    seconds: float
 
-    @property
-    def slowdown(self) -> float:
-        """Its compute per step against its peers': both run one step each, the peers' time outside
-        collectives is their compute, its own the whole step less its (short) waits."""
-        return (1.0 - self.waiting) / max(1.0 - self.peers_waiting, 0.02)
+
+Sample = WaitSample | StepSample
+
+
+@dataclass(frozen=True)
+class Straggler:
+    """A rank its peers wait for: `slowdown` is its time per step against theirs."""
+
+    rank: int
+    slowdown: float
+    since: float
+
+    def describe(self) -> str:
+        raise NotImplementedError
+
+    def figures(self) -> dict[str, Any]:
+        """What stragglers.json keeps of the evidence."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class WaitStraggler(Straggler):
+    waiting: float  # the fraction of its looks inside a collective
+    peers_waiting: float  # the median fraction of the other ranks'
 
     def describe(self) -> str:
         return (
             f"about {self.slowdown:.1f}x its peers' time per step outside collectives (it waits in "
             f"collectives {self.waiting:.0%} of the time, its peers {self.peers_waiting:.0%})"
         )
+
+    def figures(self) -> dict[str, Any]:
+        return {"waiting": round(self.waiting, 3), "peers_waiting": round(self.peers_waiting, 3)}
+
+
+@dataclass(frozen=True)
+class StepStraggler(Straggler):
+    stage: int
+    step_s: float  # its mean forward step
+    peers_step_s: float  # the median of its stage peers' means
+
+    def describe(self) -> str:
+        return (
+            f"about {self.slowdown:.1f}x its peers' time per forward step ({_ms(self.step_s)} against "
+            f"{_ms(self.peers_step_s)} on pipeline stage {self.stage})"
+        )
+
+    def figures(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage,
+            "step_s": round(self.step_s, 5),
+            "peers_step_s": round(self.peers_step_s, 5),
+        }
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:.0f} ms" if seconds < 10 else f"{seconds:.0f} s"
 
 
 @dataclass(frozen=True)
@@ -66,64 +125,121 @@ class Change:
 
 
 class StragglerDetector:
-    """Holds the last `WINDOW_S` of every rank's samples; `look()` names and un-names ranks."""
+    """Holds the last `window_s` of every rank's samples; `look()` names a rank that stays a suspect
+    for CONFIRM_S and un-names it when it no longer is. A kind of evidence says who is a suspect."""
+
+    sample_type: ClassVar[type]
 
     def __init__(self, world_size: int, window_s: float = WINDOW_S):
         self.world_size = world_size
         self.window_s = window_s
-        self.samples: dict[int, deque[WaitSample]] = {}
+        self.samples: dict[int, deque[Any]] = {}
         self.suspect_since: dict[int, float] = {}
         self.named: dict[int, Straggler] = {}
 
-    def add(self, sample: WaitSample) -> None:
+    def add(self, sample: Sample) -> None:
         """Kept for the window only, whether or not anything is decided (a rank that never sends, a
         job of one rank): a long job's memory stays flat."""
         q = self.samples.setdefault(sample.rank, deque())
         q.append(sample)
         self._forget(q, sample.at)
 
-    def _forget(self, q: deque[WaitSample], now: float) -> None:
+    def _forget(self, q: deque[Any], now: float) -> None:
         while q and q[0].at < now - self.window_s:
             q.popleft()
 
-    def fractions(self, now: float) -> dict[int, float] | None:
-        """Each rank's waiting fraction over the window; None until every rank has enough samples."""
+    def window(self, now: float) -> dict[int, deque[Any]]:
         for q in self.samples.values():
             self._forget(q, now)
-        out = {}
-        for rank in range(self.world_size):
-            q = self.samples.get(rank, deque())
-            n = sum(s.samples for s in q)
-            if n < MIN_SAMPLES:
-                return None
-            out[rank] = sum(s.waiting for s in q) / n
-        return out
+        return self.samples
 
-    def suspects(self, waits: dict[int, float]) -> dict[int, tuple[float, float]]:
-        """Ranks that wait far less than their peers while those wait much: rank -> (its, peers')."""
-        found = {}
-        for rank, mine in waits.items():
-            peers = statistics.median(w for r, w in waits.items() if r != rank)
-            if peers >= PEERS_WAITING_MIN and mine <= peers * AS_LITTLE_AS:
-                found[rank] = (mine, peers)
-        # the pattern is a few ranks holding up the rest: when half or more look slow, it is not
-        return found if len(found) <= len(waits) // 2 else {}
+    def suspects(self, now: float) -> dict[int, Straggler]:
+        """rank -> what makes it one (`since` is filled in by `look`)."""
+        raise NotImplementedError
 
     def look(self, now: float) -> Change:
         if self.world_size < 2:
             return Change()
-        fractions = self.fractions(now)
-        if fractions is None:
-            return Change()
-        found = self.suspects(fractions)
+        found = self.suspects(now)
         named, recovered = [], []
-        for rank, (mine, peers) in found.items():
+        for rank, straggler in found.items():
             since = self.suspect_since.setdefault(rank, now)
             if rank not in self.named and now - since >= CONFIRM_S:
-                self.named[rank] = Straggler(rank, mine, peers, since)
+                self.named[rank] = replace(straggler, since=since)
                 named.append(self.named[rank])
         for rank in [r for r in self.suspect_since if r not in found]:
             del self.suspect_since[rank]
             if rank in self.named:
                 recovered.append(self.named.pop(rank))
         return Change(tuple(named), tuple(recovered))
+
+
+def _few(found: dict[int, Straggler], among: int) -> dict[int, Straggler]:
+    """The pattern is a few ranks holding up the rest: when half or more look slow, it is not."""
+    return found if len(found) <= among // 2 else {}
+
+
+class WaitDetector(StragglerDetector):
+    """From looks at the ranks' stacks: a rank that waits far less than its peers while they wait
+    much."""
+
+    sample_type = WaitSample
+
+    def fractions(self, now: float) -> dict[int, float] | None:
+        """Each rank's waiting fraction over the window; None until every rank has enough looks."""
+        samples = self.window(now)
+        out = {}
+        for rank in range(self.world_size):
+            q = samples.get(rank, ())
+            n = sum(s.samples for s in q)
+            if n < MIN_SAMPLES:
+                return None
+            out[rank] = sum(s.waiting for s in q) / n
+        return out
+
+    def suspects(self, now: float) -> dict[int, Straggler]:
+        waits = self.fractions(now)
+        if waits is None:
+            return {}
+        found = {}
+        for rank, mine in waits.items():
+            peers = statistics.median(w for r, w in waits.items() if r != rank)
+            if peers >= PEERS_WAITING_MIN and mine <= peers * AS_LITTLE_AS:
+                # both run one step each: the peers' time outside collectives is their compute, its
+                # own the whole step less its (short) waits
+                slowdown = (1.0 - mine) / max(1.0 - peers, 0.02)
+                found[rank] = WaitStraggler(rank, slowdown, 0.0, mine, peers)
+        return _few(found, len(waits))
+
+
+class StepDetector(StragglerDetector):
+    """From the ranks' forward step times: a rank whose steps take SLOWER_BY its stage peers' median
+    or more. A stage with one rank has no peers and names nobody."""
+
+    sample_type = StepSample
+
+    def means(self, now: float) -> dict[int, dict[int, float]]:
+        """stage -> rank -> mean forward step over the window, for the ranks with MIN_STEPS in it."""
+        stages: dict[int, dict[int, float]] = {}
+        for rank, q in self.window(now).items():
+            steps = sum(s.steps for s in q)
+            if steps >= MIN_STEPS:
+                stages.setdefault(q[-1].stage, {})[rank] = sum(s.seconds for s in q) / steps
+        return stages
+
+    def suspects(self, now: float) -> dict[int, Straggler]:
+        found: dict[int, Straggler] = {}
+        for stage, means in self.means(now).items():
+            if len(means) < 2:
+                continue
+            here = {}
+            for rank, mine in means.items():
+                peers = statistics.median(m for r, m in means.items() if r != rank)
+                if mine >= SLOWER_BY * peers > 0:
+                    here[rank] = StepStraggler(rank, mine / peers, 0.0, stage, mine, peers)
+            found.update(_few(here, len(means)))
+        return found
+
+
+# which detector takes which sample (driver/stragglers.py keeps one of each per job)
+DETECTORS: dict[type, type[StragglerDetector]] = {d.sample_type: d for d in (WaitDetector, StepDetector)}

@@ -13,6 +13,7 @@ import functools
 import logging
 import time
 from collections import deque
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ import ray
 from ..core.outbatch import OutputBatch, merged
 from ..core.progress import parse_megatron_line
 from ..core.spec import RAY_NAMESPACE
+from ..core.straggler import Sample
 from .actors import first_line, kill_actors, on_node
 from .progress_view import ProgressView
 from .rankfiles import RankFiles
@@ -108,8 +110,8 @@ class OutputSink:
             self.write(rank, data, start)
         for rank, record in batch.reports:
             self.report(rank, record)
-        for rank, samples, waiting in batch.waits:
-            self.waits(rank, samples, waiting)
+        for sample in batch.samples:
+            self.sample(sample)
         self.writes = before + batch.writes + len(batch.reports)  # the ranks' own writes, as before
 
     def flush(self) -> None:
@@ -132,10 +134,10 @@ class OutputSink:
         self.writes += 1
         self.progress.append({**record, "rank": rank})
 
-    def waits(self, rank: int, samples: int, waiting: int) -> None:
-        """A rank's looks at its program (rank/waits.py), stamped here; not activity: a hung rank
-        waits in its collective and keeps sending these."""
-        self.progress.append({"rank": rank, "waits": (time.time(), samples, waiting)})
+    def sample(self, sample: Sample) -> None:
+        """A rank's straggler sample (core/straggler.py), stamped with this clock; not activity: a hung
+        rank waits in its collective and keeps sending looks at it."""
+        self.progress.append({"rank": sample.rank, "sample": replace(sample, at=time.time())})
 
     def drain(self) -> tuple[list[str], list[dict[str, Any]], int]:
         """Console lines and progress since the last call, and the count of writes so far."""
@@ -278,9 +280,9 @@ class OutputRelay:
             self.writes_seen, self.last_activity = writes, time.monotonic()
         self.progress.print_lines(lines)
         for record in records:
-            if "waits" in record:
+            if "sample" in record:
                 if self.stragglers is not None:
-                    self.stragglers.sample(record["rank"], *record["waits"])
+                    self.stragglers.sample(record["sample"])
                 continue
             self.progress.update(record)
             self.progress_seen = True

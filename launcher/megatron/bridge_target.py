@@ -24,6 +24,7 @@ from ..core.recipes import Recipe, check_overrides, load_recipe
 from ..core.refs import load_function
 from . import compat
 from .overrides import override_type_problem
+from .steptimes import timed
 
 
 @contextlib.contextmanager
@@ -180,7 +181,7 @@ def train_recipe(recipe: Recipe, overrides: list[str], hf_path: str | None = Non
         from megatron.bridge.training.finetune import finetune as entry
     else:
         from megatron.bridge.training.pretrain import pretrain as entry
-    entry(config=cfg, forward_step_func=forward_step)
+    entry(config=cfg, forward_step_func=timed(forward_step))  # timed: straggler detection (steptimes.py)
     report_peak_memory()
 
 

@@ -33,6 +33,8 @@ DRY_RUN_IMPORTS = (
 class DryRunRunner(TargetRunner):
     """The rendezvous check, then a tiny megatron-core GPT where megatron-core is installed."""
 
+    looks_at_waits = False  # it times its forward steps (megatron/steptimes.py)
+
     def main(self, target: Target, cwd: str) -> Any:
         from .dryrun import check_and_train
 
@@ -44,6 +46,8 @@ class DryRunRunner(TargetRunner):
 
 class MegatronRunner(TargetRunner):
     """Megatron-Bridge `pretrain()`/`finetune()` with a recipe's config and the command line's overrides."""
+
+    looks_at_waits = False  # it times its forward steps (megatron/steptimes.py)
 
     def main(self, target: Target, cwd: str) -> Any:
         from .bridge_target import train_recipe

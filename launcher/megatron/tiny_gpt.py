@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from ..rank.capture import report
+from .steptimes import timed
 
 
 def choose_layout(world: int, local_world: int) -> tuple[int, int, int]:
@@ -201,6 +202,7 @@ def _train(
 
         return output, loss_func
 
+    timed_step = timed(forward_step)  # straggler detection (megatron/steptimes.py)
     data = batches()
     losses: list[float] = []
     first = ckpt.latest() if ckpt else 0
@@ -220,7 +222,7 @@ def _train(
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
         out = forward_backward(
-            forward_step_func=forward_step,
+            forward_step_func=timed_step,
             data_iterator=data,
             model=[ddp],
             num_microbatches=microbatches,

@@ -200,7 +200,8 @@ class RankActor:
         before = signal.getsignal(signal.SIGTERM)
         sampler = None
         # the driver's straggler detection (rank/waits.py); `--env MEGARAY_STRAGGLERS=off` turns it off
-        if self.capture is not None and os.environ.get("MEGARAY_STRAGGLERS") != "off":
+        watched = os.environ.get("MEGARAY_STRAGGLERS") != "off"
+        if self.capture is not None and runner.looks_at_waits and watched:
             from .waits import WaitSampler
 
             world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -20,6 +20,7 @@ from typing import Any
 import ray
 
 from ..core.outbatch import MIN_EVERY_S, Held, batch_bytes, send_every
+from ..core.straggler import Sample
 
 log = logging.getLogger("megaray")
 
@@ -69,8 +70,9 @@ class NodeForwarder:
         self.added += 1
         self._wake_sender(urgent=True)
 
-    async def waits(self, rank: int, samples: int, waiting: int) -> None:
-        self.held.waits.append((rank, samples, waiting))
+    async def sample(self, sample: Sample) -> None:
+        """A rank's straggler sample (rank/waits.py, megatron/steptimes.py)."""
+        self.held.samples.append(sample)
         self.added += 1
         self._wake_sender()
 

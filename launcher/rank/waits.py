@@ -3,8 +3,8 @@ detection (core/straggler.py).
 
 A thread looks at the program's thread ten times a second (`sys._current_frames`, a few
 microseconds, no signal, no ptrace) and counts the looks that find a `torch.distributed`
-collective on its stack; every few seconds it sends the counts to the sink. Waiting in a collective
-releases the GIL (gloo's and NCCL's waits do), so the looks land where the program is.
+collective on its stack; every few seconds it sends the counts to its node's forwarder. Waiting in
+a collective releases the GIL (gloo's and NCCL's waits do), so the looks land where the program is.
 
 Not seen this way: a collective whose wait happens in C++ without a Python frame of
 `torch.distributed` on the stack (DDP's gradient all-reduce inside `backward()`, NCCL's kernels on
@@ -18,6 +18,8 @@ import sys
 import threading
 import time
 from typing import Any
+
+from ..core.straggler import WaitSample
 
 LOOK_EVERY_S = 0.1
 SEND_EVERY_S = 2.5  # at most 400 sends a second reach the sink, however many ranks (send_every)
@@ -64,7 +66,7 @@ class WaitSampler:
             del frame
             if time.monotonic() >= next_send:
                 try:
-                    self.sink.waits.remote(self.rank, samples, waiting)
+                    self.sink.sample.remote(WaitSample(self.rank, 0.0, samples, waiting))
                 except Exception:  # the sink is gone with the driver
                     return
                 samples = waiting = 0
