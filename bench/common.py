@@ -1,12 +1,15 @@
-"""Shared by the benchmarks: timing commands, a real `ray start` head, summary statistics."""
+"""Shared by the benchmarks (and a test or two): timing commands, a real `ray start` head, summary
+statistics, a process slowed from outside."""
 
 from __future__ import annotations
 
 import contextlib
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -53,3 +56,19 @@ def timed(cmd: list[str], timeout: float = 600) -> tuple[float, subprocess.Compl
     t0 = time.time()
     p = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=timeout)
     return t0, p
+
+
+def throttle(pid: int, until: threading.Event, busy_s: float = 0.015, stopped_s: float = 0.045) -> None:
+    """Process `pid` made 4x slower from outside, as a slower or shared device would make a rank:
+    stopped 75% of the time until `until` is set (and always let go)."""
+    try:
+        while not until.is_set():
+            os.kill(pid, signal.SIGSTOP)
+            time.sleep(stopped_s)
+            os.kill(pid, signal.SIGCONT)
+            time.sleep(busy_s)
+    except ProcessLookupError:
+        return
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGCONT)

@@ -8,23 +8,33 @@ rank is named, on a simulated cluster of 2 nodes x 2 CPU ranks.
   step time; the ratio of the medians is the cost of watching.
 - naming: rank 3 computes 4x as long a step as the others; seconds from the topology line to the
   console naming rank 3, and the slowdown it states.
+- the Megatron target's forward steps timed (megatron/steptimes.py), `--megatron`: a forward-step-
+  like call (4 matmuls) timed and not, in turn, in one process; and the dry-run trainer on 2 nodes
+  x 1 rank with the timing on and off, alternately: its seconds per iteration from the first
+  progress report to the end (summary.json), and the ratio of the medians. Then naming: the
+  dry-run trainer on 3 ranks (TP 1 x PP 1 x DP 3), rank 2 made 4x slower from outside (stopped 75%
+  of the time) from its first progress report; seconds from there to the console naming rank 2.
 
     python bench/stragglers.py --repeats 3
     python bench/stragglers.py --false-positives 600     (a loaded balanced run: who is named)
+    python bench/stragglers.py --megatron --repeats 5
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
 import re
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PY, REPO, clean_env, median, ray_cluster, summary
+from common import PY, REPO, clean_env, median, ray_cluster, summary, throttle
 
 STEPS = """
 import statistics, sys, time
@@ -162,6 +172,111 @@ def false_positives(address: str, work: Path, seconds: float) -> int:
     return len(re.findall(r"is slow: about", out))
 
 
+class Forwarder:
+    """Takes the samples a rank sends its node's forwarder (`forwarder.sample.remote(s)`)."""
+
+    sample = property(lambda self: self)
+
+    def remote(self, *args) -> None:
+        pass
+
+
+def timer_alone(rounds: int = 8, calls: int = 300) -> tuple[list[float], list[float]]:
+    """The timing alone: a forward-step-like call (4 matmuls) through StepTimer and not, in turn."""
+    import statistics
+
+    import torch
+
+    from launcher.megatron.steptimes import StepTimer
+
+    torch.set_num_threads(1)
+    a = torch.randn(384, 384)
+
+    def step() -> None:
+        for _ in range(4):
+            a @ a
+
+    def median_call_ms(call) -> float:
+        times = []
+        for _ in range(calls):
+            t = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - t)
+        return 1000 * statistics.median(times)
+
+    timer = StepTimer(Forwarder(), 0, 2)
+    on, off = [], []
+    for _ in range(rounds):
+        off.append(median_call_ms(step))
+        on.append(median_call_ms(lambda: timer.call(step, (), {})))
+    return on, off
+
+
+RUN_NUMBER = itertools.count()
+
+
+def dry_run_iter_s(address: str, work: Path, steps: int, timed: bool) -> float:
+    """Seconds per iteration of the dry-run trainer (TP 1 x PP 2 on 2 nodes x 1 CPU rank), from its
+    first progress report to the ranks' end."""
+    job = f"dry-{next(RUN_NUMBER)}"
+    extra = [] if timed else ["--env", "MEGARAY_STRAGGLERS=off"]
+    cmd = [PY, str(REPO / "main.py"), "--address", address, "--device", "cpu", "--nodes", "2",
+           "--gpus-per-node", "1", "--runs-dir", str(work), "--job-name", job, *extra,
+           "--dry-run", f"steps={steps}"]  # fmt: skip
+    done = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=900)
+    if done.returncode != 0:
+        raise RuntimeError(done.stdout[-3000:] + done.stderr[-3000:])
+    s = json.loads((work / job / "summary.json").read_text())
+    ended = s["started_at"] + s["timings"]["finished"]
+    return (ended - s["progress"]["first_report_at"]) / (steps - 1)
+
+
+def dry_run_time_to_name(address: str, work: Path) -> tuple[float, float]:
+    job = f"dry-{next(RUN_NUMBER)}"
+    cmd = [PY, str(REPO / "main.py"), "--address", address, "--device", "cpu", "--nodes", "1",
+           "--gpus-per-node", "3", "--cpus-per-rank", "0.5", "--runs-dir", str(work), "--job-name", job,
+           "--dry-run", "steps=100000"]  # fmt: skip
+    out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), **out)
+    named, slowed, started = threading.Event(), None, None
+    try:
+        for line in proc.stdout:
+            if started is None and "progress: iteration" in line:
+                pid = json.loads((work / job / "topology.json").read_text())["ranks"][2]["pid"]
+                slowed = threading.Thread(target=throttle, args=(pid, named), daemon=True)
+                slowed.start()
+                started = time.monotonic()
+            if started is not None and (found := re.search(r"rank 2 on .* is slow: about ([\d.]+)x", line)):
+                return time.monotonic() - started, float(found.group(1))
+        raise RuntimeError("rank 2 was never named")
+    finally:
+        named.set()
+        if slowed is not None:
+            slowed.join()
+        proc.terminate()
+        proc.wait()
+
+
+def megatron_part(repeats: int, steps: int) -> dict:
+    sys.path.insert(0, str(REPO))
+    alone_on, alone_off = timer_alone()
+    print(f"a forward-step-like call, ms: timed {summary(alone_on)}; not {summary(alone_off)}; "
+          f"ratio {median(alone_on) / median(alone_off):.4f}")  # fmt: skip
+    work = Path(tempfile.mkdtemp(prefix="megaray-steptimes-"))
+    on, off, names = [], [], []
+    with ray_cluster(nodes=2, cpus_per_node=2, gpus_per_node=1) as address:
+        for _ in range(repeats):
+            off.append(1000 * dry_run_iter_s(address, work, steps, timed=False))
+            on.append(1000 * dry_run_iter_s(address, work, steps, timed=True))
+        ratio = median(on) / median(off)
+        print(f"dry-run trainer, ms/iteration: timed {summary(on)}; not {summary(off)}; ratio {ratio:.4f}")
+        for _ in range(repeats):
+            names.append(dry_run_time_to_name(address, work))
+    print(f"rank 2 of the dry-run trainer (4x slower) named after {summary([n for n, _ in names])} s; "
+          f"stated slowdown {summary([s for _, s in names])}")  # fmt: skip
+    return {"on": on, "off": off, "ratio": ratio, "alone": (alone_on, alone_off), "named": names}
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -169,7 +284,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--false-positives", type=float, metavar="S", help="only: a loaded balanced run of S s"
     )
+    parser.add_argument("--megatron", action="store_true", help="only: the Megatron target's step timing")
     args = parser.parse_args(argv)
+    if args.megatron:
+        return megatron_part(args.repeats, args.steps)
     if args.false_positives:
         work = Path(tempfile.mkdtemp(prefix="megaray-stragglers-"))
         with ray_cluster(nodes=2, cpus_per_node=2, gpus_per_node=2) as address:

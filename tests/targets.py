@@ -131,11 +131,29 @@ def _write_a_checkpoint(path: Path, seconds: float, cap: int = 512 << 20) -> Non
     path.unlink()
 
 
+def _first_compile(cache: Path) -> float:
+    """torch.compile's first compile of a small function, with an empty cache: inductor writes C++ and
+    builds it with the node's compiler (about 30 s of it on this 2-core machine). Its seconds."""
+    import torch
+
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)  # read when inductor first needs it
+
+    @torch.compile
+    def step(x):
+        return (x.sin() * x.cos()).softmax(-1) @ x.T
+
+    t = time.monotonic()
+    step(torch.randn(64, 64))
+    return time.monotonic() - t
+
+
 def busy_then_frozen():
     """What is not a lost node: every rank busy on the CPU for 6 s (the machine at 100%), then in one
-    C call holding the GIL for 5 s, then writing a checkpoint for 5 s; then rank 1 stopped (SIGSTOP)
-    for 6 s by rank 0 and let go (SIGCONT). Each is longer than megaray's probes allow a node to stay
-    silent (core/liveness.py), and nothing here is silent to them."""
+    C call holding the GIL for 5 s, then writing a checkpoint for 5 s, then compiling with
+    torch.compile for the first time (where the node has a C++ compiler: inductor needs one); then
+    rank 1 stopped (SIGSTOP) for 6 s by rank 0 and let go (SIGCONT). Each is longer than megaray's
+    probes allow a node to stay silent (core/liveness.py), and nothing here is silent to them."""
+    import shutil
     import signal
 
     out = Path(os.environ["MEGARAY_TEST_OUT"])
@@ -146,6 +164,8 @@ def busy_then_frozen():
         sum(i * i for i in range(10_000))
     _hold_the_gil(5)
     _write_a_checkpoint(out / f"checkpoint-{rank}.bin", 5)
+    if shutil.which("g++") or shutil.which("c++"):
+        (out / f"compiled-{rank}").write_text(f"{_first_compile(out / f'inductor-{rank}'):.1f}")
     if rank == 1:
         (out / "frozen-pid").write_text(str(os.getpid()))
         time.sleep(8)  # stopped in here by rank 0, for 6 s of it

@@ -441,3 +441,38 @@ def test_real_data_made_by_megatron_preprocessing_trains_the_dry_run_and_passes_
     assert p.returncode == 0, p.stderr[-3000:]
     first, last = map(float, re.search(r"loss ([\d.]+) -> ([\d.]+) over 30 steps", p.stderr).groups())
     assert first > 6.5 and last < first - 0.5  # from ln(1024) = 6.93, the tokenizer's vocabulary
+
+
+class Forwarder:
+    """Takes a rank's samples as its node's forwarder does (`forwarder.sample.remote(s)`)."""
+
+    def __init__(self):
+        self.sample, self.got = self, []
+
+    def remote(self, sample) -> None:
+        self.got.append(sample)
+
+
+def test_the_timed_forward_step_keeps_bridges_signature_and_sends_its_step_times():
+    """bridge passes its GlobalState to a forward step whose signature asks for it: megaray's timed
+    one must keep bridge's signature, or bridge would call it without its state."""
+    import time
+
+    from launcher.megatron.steptimes import StepTimer, timed
+
+    compat.import_bridge()
+    from megatron.bridge.training.gpt_step import forward_step
+    from megatron.bridge.training.utils.train_utils import needs_global_state_injection
+
+    assert timed(forward_step) is forward_step  # outside a launch: unchanged
+    wrapped = timed(forward_step, sink=Forwarder())
+    assert wrapped is not forward_step and needs_global_state_injection(wrapped)
+
+    forwarder, now = Forwarder(), [0.0]
+    timer = StepTimer(forwarder, rank=5, world_size=8, clock=lambda: now[0])
+    for _ in range(3):
+        timer.call(time.sleep, (0.02,), {})
+    now[0] = 10.0
+    timer.call(time.sleep, (0.02,), {})
+    (sample,) = forwarder.got
+    assert (sample.rank, sample.stage, sample.steps) == (5, 0, 4) and 0.08 <= sample.seconds < 0.5

@@ -4,7 +4,6 @@ and remove nodes while they run."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -21,6 +20,9 @@ from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
 
 from .conftest import REPO, connected, free_port, leftovers
+
+sys.path.insert(0, str(REPO / "bench"))
+from common import throttle
 
 pytestmark = pytest.mark.slow
 
@@ -283,22 +285,6 @@ def test_the_rank_the_others_wait_for_is_named_while_it_runs(cluster, tmp_path, 
     assert record["rank"] == 3 and record["peers_waiting"] > 0.5 and record["waiting"] < 0.2
 
 
-def _throttle(pid: int, until: threading.Event, busy_s: float = 0.015, stopped_s: float = 0.045) -> None:
-    """A rank made 4x slower from outside, as a slower or shared device would be: stopped 75% of the
-    time until `until` is set (and always let go)."""
-    try:
-        while not until.is_set():
-            os.kill(pid, signal.SIGSTOP)
-            time.sleep(stopped_s)
-            os.kill(pid, signal.SIGCONT)
-            time.sleep(busy_s)
-    except ProcessLookupError:
-        return
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
-
-
 @pytest.mark.parametrize("slow", [True, False], ids=["rank 2 slowed", "balanced"])
 def test_the_megatron_target_names_a_rank_whose_forward_steps_are_slow(cluster, tmp_path, slow):
     """The dry-run trainer (Megatron's schedule, TP 1 x PP 1 x DP 3 on CPU) with its forward steps
@@ -311,7 +297,7 @@ def test_the_megatron_target_names_a_rank_whose_forward_steps_are_slow(cluster, 
     wait_for_line(topology, r'"pid"', proc, timeout_s=120)
     ranks = json.loads(topology.read_text())["ranks"]
     named = threading.Event()
-    throttler = threading.Thread(target=_throttle, args=(ranks[2]["pid"], named), daemon=True)
+    throttler = threading.Thread(target=throttle, args=(ranks[2]["pid"], named), daemon=True)
     lines: list[str] = []
     try:
         for line in proc.stdout:

@@ -31,11 +31,12 @@ from ..rank.waits import send_every
 MAX_PENDING = 256  # forward steps queued on the device and not yet timed; older ones are not timed
 
 
-def timed(forward_step: Callable) -> Callable:
-    """`forward_step`, timed for straggler detection in a megaray launch; unchanged outside one and
-    with `--env MEGARAY_STRAGGLERS=off`. The wrapper keeps its signature (`functools.wraps`): bridge
-    reads it to decide whether to pass its GlobalState."""
-    sink = current_sink()
+def timed(forward_step: Callable, sink: Any = None) -> Callable:
+    """`forward_step`, timed for straggler detection in a megaray launch (its samples go to `sink`,
+    the rank's node forwarder by default); unchanged outside one and with `--env
+    MEGARAY_STRAGGLERS=off`. The wrapper keeps its signature (`functools.wraps`): bridge reads it to
+    decide whether to pass its GlobalState."""
+    sink = sink if sink is not None else current_sink()
     if sink is None or os.environ.get("MEGARAY_STRAGGLERS") == "off":
         return forward_step
     timer = StepTimer(sink, int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
