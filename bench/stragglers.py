@@ -18,6 +18,7 @@ rank is named, on a simulated cluster of 2 nodes x 2 CPU ranks.
     python bench/stragglers.py --repeats 3
     python bench/stragglers.py --false-positives 600     (a loaded balanced run: who is named)
     python bench/stragglers.py --megatron --repeats 5
+    python bench/stragglers.py --megatron --false-positives 600   (the dry-run trainer, loaded)
 """
 
 from __future__ import annotations
@@ -257,6 +258,32 @@ def dry_run_time_to_name(address: str, work: Path) -> tuple[float, float]:
         proc.wait()
 
 
+def dry_run_false_positives(address: str, work: Path, seconds: float) -> int:
+    """Ranks named slow in `seconds` of a balanced dry-run trainer on 3 ranks (TP 1 x PP 1 x DP 3)
+    with two processes burning the 2 cores: its forward steps are timed by the wall clock on a CPU,
+    so the machine's load shows in them."""
+    cmd = [PY, str(REPO / "main.py"), "--address", address, "--device", "cpu", "--nodes", "1",
+           "--gpus-per-node", "3", "--cpus-per-rank", "0.5", "--runs-dir", str(work), "--job-name",
+           f"dry-{next(RUN_NUMBER)}", "--dry-run", "steps=10000000"]  # fmt: skip
+    out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
+    burners = [subprocess.Popen([PY, "-c", BURN.format(s=seconds + 120)]) for _ in range(2)]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), **out)
+    named, end = 0, None
+    try:
+        for line in proc.stdout:
+            if end is None and "progress: iteration" in line:
+                end = time.monotonic() + seconds
+            named += " is slow: about" in line
+            if end is not None and time.monotonic() > end:
+                break
+    finally:
+        proc.terminate()
+        proc.wait()
+        for b in burners:
+            b.kill()
+    return named
+
+
 def megatron_part(repeats: int, steps: int) -> dict:
     sys.path.insert(0, str(REPO))
     alone_on, alone_off = timer_alone()
@@ -286,6 +313,12 @@ def main(argv: list[str] | None = None) -> dict:
     )
     parser.add_argument("--megatron", action="store_true", help="only: the Megatron target's step timing")
     args = parser.parse_args(argv)
+    if args.megatron and args.false_positives:
+        with ray_cluster(nodes=2, cpus_per_node=2, gpus_per_node=1) as address:
+            named = dry_run_false_positives(address, Path(tempfile.mkdtemp()), args.false_positives)
+        seconds = args.false_positives
+        print(f"dry-run trainer, balanced, {seconds:g} s, 2 cores burnt: {named} rank(s) named slow")
+        return {"false_positives": named}
     if args.megatron:
         return megatron_part(args.repeats, args.steps)
     if args.false_positives:
