@@ -11,10 +11,11 @@ import signal
 
 import pytest
 
+from launcher.core.elastic import GrowTo
 from launcher.core.errors import FailureKind, Interrupted, RankFailedError, RankFailure, ResourceError
 from launcher.core.outcome import LaunchState, run_outcome
 from launcher.core.policy import FailureDecision, FailurePolicy
-from launcher.driver.controller import RELAUNCHED, REMOVED, Controller
+from launcher.driver.controller import RELAUNCHED, REMOVED, Controller, RestartKind
 
 P, S, R, F = LaunchState.PLACING, LaunchState.STARTING, LaunchState.RUNNING, LaunchState.FINISHING
 RESTARTING = LaunchState.RESTARTING
@@ -149,7 +150,7 @@ def test_a_restart_hands_the_spares_over_before_teardown_and_is_recorded(capsys)
     ]
     assert [(r.attempt, r.warm_spares) for r in c.restarts] == [(1, True), (2, True)]
     assert all("rank 1 on 10.0.0.1 (h) failed" in r.cause for r in c.restarts)
-    assert set(c.restarts[0].record()) == {"attempt", "cause", "at", "warm_spares"}  # summary.json's keys
+    assert set(c.restarts[0].record()) == {"attempt", "cause", "at", "warm_spares", "kind"}  # summary.json's
     err = capsys.readouterr().err
     assert err.count("Root cause (first failure):") == 2 and RELAUNCHED in err  # each failure's report
 
@@ -384,3 +385,18 @@ def test_probes_are_spread_over_a_second_and_kept_within_the_descriptor_limit():
     finally:
         probes.close()
         server.close()
+
+
+def test_growing_relaunches_without_counting_against_max_restarts():
+    """--nodes MIN:MAX below MAX with room for more: the attempt ends with GrowTo, every rank is
+    relaunched (the attempt torn down, no spares handed over), and a later failure still has its
+    restart: grows are not failures."""
+    events: list = []
+    grow = GrowTo(3, "the cluster has room for 3 node(s)")
+    c = controller(1, {0: {"watch": grow}, 1: {"watch": failed()}}, events)
+    assert c.run() == "result of attempt 2"
+    again = [RESTARTING, P, S, R]
+    assert [s for s, _ in c.history] == [P, S, R, *again, *again, F, LaunchState.SUCCEEDED]
+    assert ("hand_over", 0) not in events and ("teardown", 0) in events and ("hand_over", 1) in events
+    assert [(r.attempt, r.kind) for r in c.restarts] == [(1, RestartKind.GROW), (2, RestartKind.FAILURE)]
+    assert c.restarts[0].cause == "the cluster has room for 3 node(s)" and c.failed == 1

@@ -805,10 +805,11 @@ def test_a_blas_takes_the_threads_it_reads_at_load():
 
 
 def test_groups_sharing_a_node_are_all_found_in_one_pass():
-    from launcher.driver.placement import repeats
+    from launcher.driver.placement import sort_out
 
-    assert repeats(["a", "b", "c"]) == set()
-    assert repeats(["a", "a", "b", "a", "b"]) == {1, 3, 4}  # placed again together, in one round
+    assert sort_out(set(), [(0, "a"), (1, "b"), (2, "c")]) == ([0, 1, 2], [])
+    # placed again together, in one round: on a node held before, or by an earlier one of these
+    assert sort_out({"z"}, [(0, "a"), (1, "a"), (2, "b"), (3, "z"), (4, "b")]) == ([0, 2], [1, 3, 4])
 
 
 def test_the_doctor_checks_every_link_of_a_small_cluster_and_a_few_per_node_of_a_large_one():

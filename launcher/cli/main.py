@@ -78,7 +78,8 @@ def main(argv: list[str] | None = None, *, exits_after: bool = False) -> int:
 
         result = launch(spec, exits_after=exits_after)
         if spec.dry_run:
-            return _report_dry_run(result.returns, spec.nodes)
+            nodes = len(result.returns) // spec.gpus_per_node  # with --nodes MIN:MAX, the last attempt's
+            return _report_dry_run(result.returns, nodes)
     except RankFailedError as e:
         print(e.report(), file=sys.stderr, flush=True)
         return e.exit_code

@@ -18,6 +18,9 @@ _ITERATION = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|")
 _ELAPSED_MS = re.compile(r"elapsed time per iteration \(ms\):\s*([0-9.]+)")
 _GLOBAL_BATCH = re.compile(r"global batch size:\s*(\d+)")
 _LOSS = re.compile(r"\|\s*(lm loss|loss):\s*([-+0-9.eEnaif]+)\s*\|")
+# a checkpoint complete: Megatron-Bridge's `successfully saved checkpoint from iteration N to DIR`
+# (written once every rank saved), the dry-run trainer's `saved checkpoint at iteration N to DIR`
+_SAVED = re.compile(r"\b(?:successfully saved checkpoint from|saved checkpoint at) iteration\s+(\d+) to ")
 
 
 def parse_megatron_line(line: str) -> dict[str, Any] | None:
@@ -34,6 +37,12 @@ def parse_megatron_line(line: str) -> dict[str, Any] | None:
         with contextlib.suppress(ValueError):
             record["loss"] = float(m.group(2))
     return record
+
+
+def parse_checkpoint_line(line: str) -> int | None:
+    """The iteration of a checkpoint the line says was saved, or None."""
+    m = _SAVED.search(line)
+    return int(m.group(1)) if m else None
 
 
 @dataclass(frozen=True)

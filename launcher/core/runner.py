@@ -28,6 +28,9 @@ class TargetRunner:
     # straggler detection looks at the rank's stack (rank/waits.py); a target that times its own steps
     # (the Megatron targets: megatron/steptimes.py) needs no looks
     looks_at_waits = True
+    # with --nodes MIN:MAX, a target that writes checkpoints (the Megatron targets) grows at the next
+    # one written once the cluster has room; a plain program at its next failure or --grow-after
+    grows_at_checkpoint = False
 
     # -- on a rank ----------------------------------------------------------------------------------
     def run(self, target: Target, cwd: str) -> Any:
@@ -62,6 +65,11 @@ class TargetRunner:
     def resume_target(self, target: Target, plan: Any) -> Target:
         """The target of a relaunch after a failure."""
         return target
+
+    def size_problem(self, spec: LaunchSpec, plan: Any, nodes: int) -> str | None:
+        """Why the target cannot run on `nodes` nodes (`--nodes MIN:MAX`, core/elastic.py), or None: a
+        plain program runs on any count, as under torchrun's elastic launch."""
+        return None
 
 
 class RankGroupRunner(TargetRunner):

@@ -13,10 +13,11 @@ import re
 import secrets
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from .args import ArgumentParser, number
+from .elastic import NodeRange, parse_nodes
 from .errors import UsageError
 from .progress import H100_SXM_BF16_TFLOPS
 from .rankenv import forwarded_env, parse_env_pairs
@@ -40,7 +41,7 @@ _JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
 
 @dataclass(frozen=True)
 class LaunchSpec:
-    nodes: int
+    nodes: int  # the most nodes (`--nodes N` or the MAX of `--nodes MIN:MAX`): what a launch asks for
     gpus_per_node: int
     target: Target
     device: str = "gpu"  # "gpu": one GPU bundle per rank; "cpu": CPU bundles only
@@ -64,6 +65,8 @@ class LaunchSpec:
     exit_grace_s: float = DEFAULT_EXIT_GRACE_S  # a returned rank's process may finish its exit this long
     kill_grace_s: float = DEFAULT_KILL_GRACE_S  # SIGTERM, then this long before the kill
     gpu_memory_gb: float = DEFAULT_GPU_MEMORY_GB  # per GPU, what the memory preflight checks against
+    min_nodes: int | None = None  # `--nodes MIN:MAX`: the fewest an attempt runs on (None: `nodes`)
+    grow_after_s: float | None = None  # below MAX nodes with room for more: relaunch on them after this
 
     def __post_init__(self):
         for flag, value in (
@@ -74,8 +77,7 @@ class LaunchSpec:
         ):  # fmt: skip
             if not math.isfinite(value):  # nan passes every comparison below
                 raise ValueError(f"{flag} must be a finite number, got {value}")
-        if self.nodes < 1:
-            raise ValueError(f"--nodes must be at least 1, got {self.nodes}")
+        self.node_range  # noqa: B018 (checks MIN and MAX, with the numbers)
         if self.gpus_per_node < 1:
             raise ValueError(f"--gpus-per-node must be at least 1, got {self.gpus_per_node}")
         if self.device not in ("gpu", "cpu"):
@@ -104,6 +106,10 @@ class LaunchSpec:
         for flag, value in (("--exit-grace", self.exit_grace_s), ("--kill-grace", self.kill_grace_s)):
             if value < 0:
                 raise ValueError(f"{flag} must be 0 or more seconds, got {value}")
+        if self.grow_after_s is not None and not self.grow_after_s > 0:
+            raise ValueError(f"--grow-after must be above 0 seconds, got {self.grow_after_s}")
+        if self.grow_after_s is not None and not self.node_range.elastic:
+            raise ValueError("--grow-after grows a job of --nodes MIN:MAX: give a range, or drop it")
         if self.gpu_memory_gb <= 0:
             raise ValueError(f"--gpu-memory-gb must be above 0, got {self.gpu_memory_gb}")
         if self.peak_tflops <= 0:
@@ -112,6 +118,19 @@ class LaunchSpec:
             raise ValueError(
                 "--dry-run runs the built-in check: drop the script or --entrypoint, or --dry-run"
             )
+
+    def at_nodes(self, nodes: int) -> LaunchSpec:
+        """This launch on `nodes` nodes, as an attempt of `--nodes MIN:MAX` runs: the console shows the
+        ranks asked for that it has (rank 0 when none)."""
+        world = nodes * self.gpus_per_node
+        if self.log_ranks.strip().lower() == "all":
+            return replace(self, nodes=nodes)
+        shown = ",".join(str(r) for r in sorted(self.console_ranks) if r < world)
+        return replace(self, nodes=nodes, log_ranks=shown or "0")
+
+    @property
+    def node_range(self) -> NodeRange:
+        return NodeRange(self.nodes if self.min_nodes is None else self.min_nodes, self.nodes)
 
     @property
     def world_size(self) -> int:
@@ -148,7 +167,13 @@ def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
         epilog=epilog,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--nodes", type=int, default=1, help="number of nodes (one placement group each)")
+    p.add_argument(
+        "--nodes",
+        default="1",
+        metavar="N|MIN:MAX",
+        help="number of nodes (one placement group each); MIN:MAX runs on as many as the cluster holds, "
+        "at least MIN, and goes on with fewer when a node is lost",
+    )
     p.add_argument(
         "--gpus-per-node",
         "--nproc-per-node",
@@ -227,6 +252,14 @@ def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
         "recipes resume from their last checkpoint)",
     )
     p.add_argument(
+        "--grow-after",
+        type=number,
+        default=None,
+        metavar="S",
+        help="with --nodes MIN:MAX, running below MAX: relaunch on more nodes S seconds after the cluster "
+        "has room for them (Megatron targets grow at their next checkpoint without it)",
+    )
+    p.add_argument(
         "--hang-timeout",
         type=number,
         default=DEFAULT_HANG_TIMEOUT_S,
@@ -297,8 +330,11 @@ def spec_from_args(
                 "or --dry-run"
             )
         env = parse_env_pairs(args.env, environ)
+        nodes = parse_nodes(args.nodes)
         return LaunchSpec(
-            nodes=args.nodes,
+            nodes=nodes.max,
+            min_nodes=nodes.min if nodes.elastic else None,
+            grow_after_s=args.grow_after,
             gpus_per_node=args.gpus_per_node,
             target=target,
             device=args.device,

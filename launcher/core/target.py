@@ -67,12 +67,15 @@ class Target:
 DRY_RUN_TARGET = Target(TargetKind.DRYRUN, "launcher.megatron.dryrun:check_and_train")
 GROUP_TARGET = Target(TargetKind.GROUP, "rank group")
 
-DRY_RUN_OPTIONS = {"steps": int, "save": str, "save_every": int, "data": str}
+DRY_RUN_OPTIONS = {
+    "steps": int, "save": str, "save_every": int, "data": str, "tp": int, "pp": int, "global_batch": int,
+}  # fmt: skip
 
 
 def parse_dry_run_options(args: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """`--dry-run steps=40 save=DIR save_every=5 data=PREFIX`: the tiny trainer's length, checkpoints,
-    and a Megatron indexed dataset (PREFIX.bin/.idx) to train on instead of counting sequences."""
+    """`--dry-run steps=40 save=DIR save_every=5 data=PREFIX tp=1 pp=2 global_batch=16`: the tiny
+    trainer's length, checkpoints, a Megatron indexed dataset (PREFIX.bin/.idx) to train on instead of
+    counting sequences, its layout, and the sequences a step takes over all its DP ranks."""
     options: dict[str, Any] = {}
     for item in args:
         key, sep, value = item.partition("=")

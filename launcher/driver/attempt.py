@@ -9,13 +9,16 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..core.elastic import GrowPolicy
 from ..core.errors import RankFailedError
 from ..core.spec import LaunchSpec
 from .cluster import Cluster
-from .gang import RankGang
+from .gang import RankGang, env_records
+from .grow import GrowWatch
 from .handle import RankInfo
 from .progress_view import ProgressView
 from .relay import OutputRelay
@@ -55,15 +58,21 @@ class Attempt:
         progress: ProgressView,
         spares_in: SparePool | None,
         lost_nodes: set[str] | None = None,
+        size_problem: Callable[[int], str | None] = lambda nodes: None,
+        grow: GrowPolicy | None = None,
     ):
-        """`lost_nodes`: the launch's nodes found lost so far, never placed on again; this attempt adds
-        those it finds."""
+        """`lost_nodes`: the launch's nodes found lost so far, not placed on again (unless they answer
+        again); this attempt adds those it finds. `grow`: with --nodes MIN:MAX, when an attempt below
+        MAX ends to relaunch on more nodes (driver/grow.py)."""
         self.spec, self.number, self.stop, self.run, self.progress = spec, number, stop, run, progress
+        self.asked = spec.node_range  # the spec becomes this attempt's own once placed (--nodes MIN:MAX)
+        self.size_problem, self.grow_policy = size_problem, grow
+        self.grow: GrowWatch | None = None  # once placed below MAX nodes
         name = spec.job_name if number == 0 else f"{spec.job_name}-a{number}"
         self.lost_nodes = lost_nodes if lost_nodes is not None else set()
         self.gang = RankGang(
             spec, stop, profile=profile, name=name, attempt=number, fixed_size=cluster.fixed_size,
-            avoid=frozenset(self.lost_nodes),
+            avoid=frozenset(self.lost_nodes), size_problem=size_problem,
         )  # fmt: skip
         self.spares_in = spares_in  # given by the failed attempt, until adopted or discarded
         self.spares_out: SparePool | None = None  # started for the next attempt
@@ -88,6 +97,11 @@ class Attempt:
         spares_in, self.spares_in = self.spares_in, None
         gang = self.gang
         gang.place(spares_in)
+        self.spec = gang.spec  # with --nodes MIN:MAX, on as many nodes as it was placed on
+        if self.grow_policy is not None and self.asked.elastic and self.spec.nodes < self.asked.max:
+            held = {s.node_id for s in gang.slots}
+            policy, problem = self.grow_policy, self.size_problem
+            self.grow = GrowWatch(self.spec, self.asked, policy, held, self.lost_nodes, problem)
         self.relay = OutputRelay(
             f"{gang.name}-output",
             self.run.path,
@@ -107,8 +121,10 @@ class Attempt:
         except RankFailedError as e:  # a node lost while the ranks started
             self.failure = e
             raise
-        self.run.write_topology(gang.master, [dataclasses.asdict(r) for r in gang.ranks])
-        self.run.write_env(gang.env_records(envs))
+        size, asked = (gang.placed.size if gang.placed is not None else None), self.asked
+        nodes = {"asked": str(asked), "running": size.nodes, "why": size.describe(asked)} if size else None
+        self.run.write_topology(gang.master, [dataclasses.asdict(r) for r in gang.ranks], nodes)
+        self.run.write_env(env_records(gang.handles, envs))
         self.refs = gang.run(spec.target, spec.cwd)
         gang.mark("started")
 
@@ -141,9 +157,12 @@ class Attempt:
         )
 
     def _tick(self) -> None:
-        """Every turn of the supervision: the nodes still answer, the next attempt's spares tended."""
+        """Every turn of the supervision: the nodes still answer, the next attempt's spares tended, and
+        below MAX nodes, whether to grow (raises GrowTo)."""
         self.gang.check_nodes()
         self._tend_spares()
+        if self.grow is not None:
+            self.grow.check(self.relay.last_checkpoint_at)
 
     def _tend_spares(self) -> None:
         """Start the next attempt's spares once this one trains (they would compete with its ranks'

@@ -16,11 +16,14 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from enum import StrEnum
 from typing import Any, Protocol
 
+from ..core.elastic import GrowTo
 from ..core.errors import RankFailedError
 from ..core.outcome import LaunchState, run_outcome
 from ..core.policy import FailureDecision, FailurePolicy
+from .sources import RELAUNCH_SETTLE_S
 
 log = logging.getLogger("megaray")
 
@@ -46,6 +49,11 @@ class AttemptLike(Protocol):
     def teardown(self) -> None: ...
 
 
+class RestartKind(StrEnum):
+    FAILURE = "failure"  # a rank failed: counted against --max-restarts
+    GROW = "grow"  # --nodes MIN:MAX, below MAX: relaunched on more nodes (not counted)
+
+
 @dataclass
 class Restart:
     """A relaunch, as summary.json's `restarts` lists it."""
@@ -54,6 +62,7 @@ class Restart:
     cause: str
     at: float
     warm_spares: bool | None = None  # whether the relaunch took over the failed attempt's spares
+    kind: RestartKind = RestartKind.FAILURE
 
     def record(self) -> dict[str, Any]:
         return asdict(self)
@@ -69,14 +78,17 @@ class Controller:
         new_attempt: Callable[[int, Any], AttemptLike],
         *,
         placement_timeout_s: float = 0.0,
+        min_nodes: int | None = None,
         on_state: Callable[[LaunchState], None] = lambda state: None,
         clock: Callable[[], float] = time.time,
     ):
         self.policy, self.new_attempt, self.on_state, self.clock = policy, new_attempt, on_state, clock
         self.placement_timeout_s = placement_timeout_s
+        self.min_nodes = min_nodes  # --nodes MIN:MAX: a relaunch goes on with fewer nodes, down to this
         self.state = LaunchState.PLACING
         self.history: list[tuple[LaunchState, float]] = [(self.state, clock())]
-        self.number = 0  # the attempt's: 0, then one more per restart
+        self.number = 0  # the attempt's: 0, then one more per relaunch (a failure's or a grow's)
+        self.failed = 0  # relaunches after a failure, what --max-restarts counts
         self.attempt: AttemptLike | None = None  # the current one, until torn down
         self.last_attempt: AttemptLike | None = None
         self.restarts: list[Restart] = []
@@ -100,6 +112,8 @@ class Controller:
                     state = steps[self.state]()
                 except RankFailedError as e:
                     state = self._decide(e)
+                except GrowTo as e:
+                    state = self._grow(e)
                 self._move(state)
         except BaseException as e:
             self._close()
@@ -140,8 +154,9 @@ class Controller:
         """A rank failed in any state of the attempt: the policy says what follows. A restart takes the
         spares over before the teardown; the teardown adds the dead ranks' last output to `failure`."""
         self._failure = failure
-        decision = self.policy.decide(failure, self.number)
+        decision = self.policy.decide(failure, self.failed)
         if decision is FailureDecision.RESTART:
+            self.failed += 1
             self._spares = self.attempt.hand_over()
         self._close()
         if decision is FailureDecision.FAIL:
@@ -151,11 +166,21 @@ class Controller:
         print(failure.report(), file=sys.stderr, flush=True)
         self.restarts.append(Restart(self.number + 1, str(failure), self.clock()))
         how = f"waiting up to {self.placement_timeout_s:g}s for the layout to fit"
+        if self.min_nodes is not None:
+            how = f"on the nodes that hold a group within {RELAUNCH_SETTLE_S:g}s, at least {self.min_nodes}"
         how = "on the warm spares" if self._spares else how
         log.warning(
             "restart %d of %d after: %s; relaunching every rank (%s)",
-            self.number + 1, self.policy.max_restarts, failure, how,
+            self.failed, self.policy.max_restarts, failure, how,
         )  # fmt: skip
+        return LaunchState.RESTARTING
+
+    def _grow(self, grow: GrowTo) -> LaunchState:
+        """Running below MAX nodes, the cluster has room for more: every rank is stopped and relaunched
+        on them (not a failure: --max-restarts does not count it)."""
+        self.restarts.append(Restart(self.number + 1, grow.why, self.clock(), kind=RestartKind.GROW))
+        log.warning("%s; relaunching every rank on up to %d node(s)", grow.why, grow.nodes)
+        self._close()
         return LaunchState.RESTARTING
 
     def _restart(self) -> LaunchState:

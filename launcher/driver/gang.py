@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import ray
@@ -51,6 +51,33 @@ log = logging.getLogger("megaray")
 ACTOR_START_TIMEOUT_S = 300.0  # covers runtime-env set-up and image pulls on first use of a node
 
 
+def announce(spec: LaunchSpec) -> None:
+    elastic = spec.node_range.elastic
+    log.info(
+        "job %s: %s node(s) x %d rank(s) = %s, target: %s",
+        spec.job_name, spec.node_range, spec.gpus_per_node,
+        f"{spec.node_range.min * spec.gpus_per_node}-{spec.world_size}" if elastic else spec.world_size,
+        spec.target.describe(),
+    )  # fmt: skip
+
+
+def sized(spec: LaunchSpec, placed: Placed) -> LaunchSpec:
+    """The spec of an attempt of `--nodes MIN:MAX`: on the nodes its source gave it (said why)."""
+    if placed.size is None:
+        return spec
+    log.info("job %s runs on %s", spec.job_name, placed.size.describe(spec.node_range))
+    return spec.at_nodes(placed.size.nodes)
+
+
+def env_records(handles: tuple[RankHandle, ...], envs: list[dict[str, str]]) -> list[dict[str, Any]]:
+    """env.json: what megaray set on each rank, its notes, and the whole env its process had."""
+    return [
+        {"rank": h.slot.rank, "set_by_megaray": redact(h.env.to_set), "notes": h.env.notes,
+         "process": redact(env)}
+        for h, env in zip(handles, envs, strict=True)
+    ]  # fmt: skip
+
+
 class RankGang:
     """Start with `place()` then `start()`; run with `run()` or `call()`; end with `teardown()`.
 
@@ -70,9 +97,11 @@ class RankGang:
         gpu_share: float = 1.0,
         host: RankGang | None = None,
         avoid: frozenset[str] = frozenset(),
+        size_problem: Callable[[int], str | None] = lambda nodes: None,
     ):
         self.spec, self.stop, self.profile = spec, stop, profile
         self.avoid = avoid  # nodes an earlier attempt found lost: never placed on again
+        self.size_problem = size_problem  # what the target cannot run on (--nodes MIN:MAX)
         self.name, self.attempt, self.fixed_size = name, attempt, fixed_size
         self.gpu_share, self.host = gpu_share, host
         # what every rank's process must have from its start (PYTHONHASHSEED, LD_PRELOAD, ...)
@@ -106,14 +135,6 @@ class RankGang:
         """Seconds since `phase` was marked."""
         return time.monotonic() - self.t0 - self.timings[phase]
 
-    def env_records(self, envs: list[dict[str, str]]) -> list[dict[str, Any]]:
-        """env.json: what megaray set on each rank, its notes, and the whole env its process had."""
-        return [
-            {"rank": h.slot.rank, "set_by_megaray": redact(h.env.to_set), "notes": h.env.notes,
-             "process": redact(env)}
-            for h, env in zip(self.handles, envs, strict=True)
-        ]  # fmt: skip
-
     def start_spares(self, name: str) -> SparePool:
         """The next attempt's warm spares, one per rank in this gang's bundles (driver/spares.py)."""
         return SparePool(
@@ -137,16 +158,15 @@ class RankGang:
         spares' own when they can take over, the host gang's when colocated, the warm pool's, else new
         ones on distinct nodes."""
         spec = self.spec
-        log.info(
-            "job %s: %d node(s) x %d rank(s) = %d, target: %s",
-            spec.job_name, spec.nodes, spec.gpus_per_node, spec.world_size, spec.target.describe(),
-        )  # fmt: skip
+        announce(spec)
         host = (self.host.groups, self.host.slots) if self.host is not None else None
         sources = rank_sources(
             spec, self.name, self.stop, first=self.attempt == 0, fixed_size=self.fixed_size,
             start_env=self.start_env, spares=spares, host=host, avoid=self.avoid,
+            size_problem=self.size_problem,
         )  # fmt: skip
         placed = next(p for p in (source.take() for source in sources) if p is not None)
+        self.spec = sized(spec, placed)
         self.placed, self.groups, self.slots = placed, placed.groups, placed.slots
         self.actors, self.reports = list(placed.actors), list(placed.reports)
         self.mark("placed")

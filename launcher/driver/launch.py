@@ -9,6 +9,7 @@ import logging
 import signal
 from dataclasses import replace
 
+from ..core.elastic import GrowPolicy
 from ..core.errors import Interrupted
 from ..core.outcome import run_outcome
 from ..core.policy import FailurePolicy
@@ -71,15 +72,18 @@ def _launch(spec: LaunchSpec, exits_after: bool) -> LaunchResult:
                 log.info("every rank gets these variables of this shell (values not shown): %s", names)
             first_target = runner.first_target(spec, plan)
             lost_nodes: set[str] = set()  # found by any attempt, avoided by the next
+            grow = GrowPolicy(runner.grows_at_checkpoint, spec.grow_after_s)  # with --nodes MIN:MAX
 
             def new_attempt(k: int, spares: SparePool | None) -> Attempt:
                 target = first_target if k == 0 else runner.resume_target(first_target, plan)
                 return Attempt(
-                    replace(spec, target=target), k, cluster, profile, stop, run, progress, spares, lost_nodes
-                )
+                    replace(spec, target=target), k, cluster, profile, stop, run, progress, spares,
+                    lost_nodes, size_problem=lambda nodes: runner.size_problem(spec, plan, nodes), grow=grow,
+                )  # fmt: skip
 
             controller = Controller(
                 FailurePolicy(spec.max_restarts), new_attempt, placement_timeout_s=spec.placement_timeout_s,
+                min_nodes=spec.min_nodes,
                 on_state=progress.on_state,
             )  # fmt: skip
             try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import re
 import time
@@ -64,10 +65,16 @@ def describe_nodes() -> str:
     return "; ".join(parts) or "no live nodes"
 
 
-def feasibility_problem(spec: LaunchSpec) -> str | None:
-    """A message when the cluster as it stands could never hold the layout, else None."""
-    fit = nodes_that_fit(rayprivate.total_resources_per_node(), bundle_for(spec), spec.gpus_per_node)
-    if fit >= spec.nodes:
+def nodes_that_could_fit(spec: LaunchSpec, exclude: tuple[str, ...] = ()) -> int:
+    """How many of the cluster's nodes (but `exclude`) could hold one of the launch's groups, empty."""
+    totals = {k: v for k, v in rayprivate.total_resources_per_node().items() if k not in exclude}
+    return nodes_that_fit(totals, bundle_for(spec), spec.gpus_per_node)
+
+
+def feasibility_problem(spec: LaunchSpec, fit: int, needed: int) -> str | None:
+    """A message when the cluster as it stands (`fit` nodes could hold a group) could never hold the
+    `needed` groups, else None."""
+    if fit >= needed:
         return None
     return f"only {fit} node(s) of the cluster can hold one group"
 
@@ -167,16 +174,29 @@ FIXED_SIZE_WAIT_S = 10.0  # on a cluster megaray started itself (no autoscaler, 
 
 def place_groups(
     spec: LaunchSpec, name: str, stop: StopSignal, fixed_size: bool, detached: bool = False,
-    exclude: tuple[str, ...] = (),
+    exclude: tuple[str, ...] = (), settle_s: float | None = None,
 ) -> list[PlacementGroup]:  # fmt: skip
     """One group per node, each on a Ray node of its own, waited for up to --placement-timeout.
 
     All groups are requested at once, so that they are scheduled together; Ray keeps no two
-    STRICT_PACK groups apart, so the groups that landed on a node another group holds are placed again,
-    all in one round, with the nodes of the others excluded by label (`ray.io/node-id`). `exclude`:
-    nodes never to use (found lost by megaray before Ray's health checks tell).
+    STRICT_PACK groups apart, so a group that landed on a node another group holds is placed again,
+    with the nodes of the others excluded by label (`ray.io/node-id`). `exclude`: nodes never to use
+    (found lost by megaray before Ray's health checks tell).
+
+    With `--nodes MIN:MAX` it asks for MAX groups (on a cluster that cannot grow, as many as its nodes
+    can hold) and keeps what is placed once `settle_s` has passed (default: the whole wait), at least
+    MIN: the groups not placed by then are removed.
     """
-    problem = feasibility_problem(spec)
+    wanted = spec.node_range
+    fit = nodes_that_could_fit(spec, exclude)
+    asked = min(wanted.max, max(fit, wanted.min)) if fixed_size else wanted.max
+    spec = dataclasses.replace(spec, nodes=asked)
+    problem = feasibility_problem(spec, fit, wanted.min if wanted.elastic else asked)
+    if wanted.elastic and not problem and fit < asked:
+        log.warning(
+            "only %d node(s) of the cluster can hold one group: waiting up to %gs for %d, then starting "
+            "with as many as are placed (at least %d)", fit, spec.placement_timeout_s, asked, wanted.min,
+        )  # fmt: skip
     if problem and fixed_size:
         raise resource_error(spec, 0, problem, describe_nodes(), can_grow=False)
     fix = None
@@ -196,25 +216,22 @@ def place_groups(
     # bundles of a launch that just ended take to be freed only delays the error.
     wait_s = min(spec.placement_timeout_s, FIXED_SIZE_WAIT_S) if fixed_size else spec.placement_timeout_s
     deadline = time.monotonic() + wait_s
+    settle = deadline if settle_s is None else min(deadline, time.monotonic() + settle_s)
     groups = create_groups(spec, name, detached, exclude)
+    at_least = wanted.min if wanted.elastic else asked
     try:
-        _wait_placed(groups, deadline, stop)
-        while shared := repeats(nodes := nodes_of(groups)):
-            remove_groups([groups[i] for i in shared])
-            kept = [n for i, n in enumerate(nodes) if i not in shared] + list(exclude)
-            for i in shared:
-                groups[i] = create_group(spec, f"{name}-node{i}", exclude_nodes=kept, detached=detached)
-            _wait_placed(groups, deadline, stop)
+        placed = _place_enough(spec, name, groups, at_least, settle, deadline, stop, detached, exclude)
     except _NotPlaced as e:
         remove_groups(groups)
-        why = f"not placed within {wait_s:g}s on {spec.nodes} distinct nodes"
+        why = f"not placed within {wait_s:g}s on {at_least} distinct nodes"
         raise resource_error(
             spec, e.placed, f"{problem}; {why}" if problem else why, before, can_grow=not fixed_size, fix=fix
         ) from None
     except BaseException:
         remove_groups(groups)
         raise
-    return groups
+    remove_groups([g for i, g in enumerate(groups) if i not in placed])
+    return [groups[i] for i in sorted(placed)]
 
 
 class _NotPlaced(Exception):
@@ -222,10 +239,39 @@ class _NotPlaced(Exception):
         self.placed = placed
 
 
-def _wait_placed(groups: list[PlacementGroup], deadline: float, stop: StopSignal) -> None:
-    placed = len(wait_all([g.ready() for g in groups], max(0.0, deadline - time.monotonic()), stop))
-    if placed < len(groups):
-        raise _NotPlaced(placed)
+def _place_enough(
+    spec: LaunchSpec, name: str, groups: list[PlacementGroup], at_least: int, settle: float, deadline: float,
+    stop: StopSignal, detached: bool, exclude: tuple[str, ...],
+) -> set[int]:  # fmt: skip
+    """The indexes of the groups placed on distinct nodes: all of them, or at least `at_least` once
+    `settle` has passed; `_NotPlaced` at `deadline`. A group that lands on a node an earlier one holds
+    is placed again (`groups[i]` replaced), away from every node held."""
+    refs = [g.ready() for g in groups]
+    placed: set[int] = set()
+    while True:
+        pending = [i for i in range(len(groups)) if i not in placed]
+        now = time.monotonic()
+        enough = len(placed) >= at_least
+        if not pending or (enough and now >= settle):
+            return placed
+        if now >= deadline:
+            raise _NotPlaced(len(placed))
+        until = settle if enough else deadline
+        ready = {r.hex() for r in wait_all([refs[i] for i in pending], max(0.0, min(until - now, 1.0)), stop)}
+        newly = [i for i in pending if refs[i].hex() in ready]
+        if not newly:
+            continue
+        order = sorted(placed) + newly
+        nodes = dict(zip(order, nodes_of([groups[i] for i in order]), strict=True))
+        held = {nodes[i] for i in placed}
+        kept, again = sort_out(held, [(i, nodes[i]) for i in newly])
+        placed.update(kept)
+        if again:
+            remove_groups([groups[i] for i in again])
+            away = [*held, *(nodes[i] for i in kept), *exclude]
+            for i in again:
+                groups[i] = create_group(spec, f"{name}-node{i}", exclude_nodes=away, detached=detached)
+                refs[i] = groups[i].ready()
 
 
 def nodes_of(groups: list[PlacementGroup]) -> list[str]:
@@ -236,15 +282,14 @@ def nodes_of(groups: list[PlacementGroup]) -> list[str]:
     return [table[g.id.hex()]["bundles_to_node_id"][0] for g in groups]
 
 
-def repeats(nodes: list[str]) -> set[int]:
-    """The indexes of the groups whose node an earlier group holds already."""
-    seen: set[str] = set()
-    found = set()
-    for i, node in enumerate(nodes):
-        if node in seen:
-            found.add(i)
+def sort_out(held: set[str], newly: list[tuple[int, str]]) -> tuple[list[int], list[int]]:
+    """Of groups just placed, (index, node) in order: those on a node no group holds (kept), and those
+    on a node held already, by an earlier group or one of these (to be placed again, together)."""
+    seen, kept, again = set(held), [], []
+    for i, node in newly:
+        (again if node in seen else kept).append(i)
         seen.add(node)
-    return found
+    return kept, again
 
 
 def resolve_nodes(groups: list[PlacementGroup]) -> list[NodeSlot]:

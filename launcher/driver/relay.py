@@ -20,7 +20,7 @@ from typing import Any
 import ray
 
 from ..core.outbatch import OutputBatch, merged
-from ..core.progress import parse_megatron_line
+from ..core.progress import parse_checkpoint_line, parse_megatron_line
 from ..core.spec import RAY_NAMESPACE
 from ..core.straggler import Sample
 from .actors import first_line, kill_actors, on_node
@@ -100,6 +100,8 @@ class OutputSink:
             record = parse_megatron_line(ln)
             if record is not None:
                 self.progress.append({**record, "rank": rank})
+            elif (saved := parse_checkpoint_line(ln)) is not None:
+                self.progress.append({"rank": rank, "checkpoint": saved})
         if rank in self.console_ranks:
             self.console.extend(tag + ln for ln in lines)
 
@@ -225,6 +227,7 @@ class OutputRelay:
         self.writes_seen = 0  # the sink's count of rank writes and reports, when last drained
         self.last_activity = time.monotonic()
         self.progress_seen = False
+        self.last_checkpoint_at: float | None = None  # when a rank last said a checkpoint was saved
 
     def forward_from(self, node_ids: set[str]) -> dict[str, Any]:
         """The forwarder each node's ranks send to (one attempt's nodes), started now: before the
@@ -283,6 +286,9 @@ class OutputRelay:
             if "sample" in record:
                 if self.stragglers is not None:
                     self.stragglers.sample(record["sample"])
+                continue
+            if "checkpoint" in record:
+                self.last_checkpoint_at = time.monotonic()
                 continue
             self.progress.update(record)
             self.progress_seen = True

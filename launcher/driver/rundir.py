@@ -97,8 +97,13 @@ class RunDir:
         cfg.to_yaml(str(self.path / "config.yaml"))
         os.chmod(self.path / "config.yaml", 0o600)
 
-    def write_topology(self, master: tuple[str, int], ranks: list[dict[str, Any]]) -> None:
-        self.write_json("topology.json", {"master_addr": master[0], "master_port": master[1], "ranks": ranks})
+    def write_topology(
+        self, master: tuple[str, int], ranks: list[dict[str, Any]], nodes: dict[str, Any] | None = None
+    ) -> None:
+        """`nodes`: with --nodes MIN:MAX, how many this attempt runs on, and why."""
+        extra = {"nodes": nodes} if nodes else {}
+        record = {"master_addr": master[0], "master_port": master[1], **extra, "ranks": ranks}
+        self.write_json("topology.json", record)
 
     def write_env(self, per_rank: list[dict[str, Any]]) -> None:
         self.write_json("env.json", per_rank)

@@ -6,10 +6,13 @@ try; fresh placement always gives one (or raises)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
+from ..core.elastic import NodeChoice, choose_nodes
+from ..core.errors import UsageError
 from ..core.spec import LaunchSpec
 from ..core.topology import RankReport, RankSlot, assign_ranks, order_nodes
 from . import placement, pool
@@ -17,6 +20,10 @@ from .spares import SparePool, SparesUnusable
 from .stop import StopSignal
 
 log = logging.getLogger("megaray")
+
+# a relaunch with --nodes MIN:MAX waits this long for its groups to be placed before it goes on with
+# fewer (at least MIN): the nodes left hold one at once; a lost node's replacement is not waited for
+RELAUNCH_SETTLE_S = 5.0
 
 
 class Source(StrEnum):
@@ -38,6 +45,7 @@ class Placed:
     reports: list[RankReport] = field(default_factory=list)
     replaced_pids: list[int | None] | None = None  # the ranks' processes that spares take over from
     sink: Any = None  # the output sink the pool started ahead on the driver's node
+    size: NodeChoice | None = None  # with `--nodes MIN:MAX`, how many nodes it has and why
 
     @property
     def started(self) -> bool:
@@ -101,26 +109,43 @@ class FromPool:
 
 @dataclass
 class Fresh:
-    """A placement group per node on distinct nodes (placement.place_groups), none on `avoid`."""
+    """A placement group per node on distinct nodes (placement.place_groups), none on `avoid`. With
+    `--nodes MIN:MAX`, as many as were placed within `settle_s`, at least MIN, less any count the
+    target cannot run on (`size_problem`, core/elastic.py): the first nodes in rank order are kept."""
 
     spec: LaunchSpec
     name: str
     stop: StopSignal
     fixed_size: bool
     avoid: frozenset[str] = frozenset()
+    size_problem: Callable[[int], str | None] = lambda nodes: None
+    settle_s: float | None = None
 
     def take(self) -> Placed:
+        spec = self.spec
+        avoid = tuple(sorted(self.avoid))
         groups = placement.place_groups(
-            self.spec, self.name, self.stop, self.fixed_size, exclude=tuple(sorted(self.avoid))
+            spec, self.name, self.stop, self.fixed_size, exclude=avoid, settle_s=self.settle_s
         )
-        slots = assign_ranks(order_nodes(placement.resolve_nodes(groups)), self.spec.gpus_per_node)
-        return Placed(Source.FRESH, groups, slots)
+        nodes = order_nodes(placement.resolve_nodes(groups))
+        choice = None
+        if spec.node_range.elastic:
+            choice = choose_nodes(len(groups), spec.node_range, self.size_problem)
+            if choice.nodes is None:
+                placement.remove_groups(groups)
+                raise UsageError(f"--nodes {spec.node_range}: {choice.describe(spec.node_range)}")
+            kept = {n.group for n in nodes[: choice.nodes]}
+            placement.remove_groups([g for i, g in enumerate(groups) if i not in kept])
+            groups = [g for i, g in enumerate(groups) if i in kept]
+            nodes = order_nodes(placement.resolve_nodes(groups))
+        return Placed(Source.FRESH, groups, assign_ranks(nodes, spec.gpus_per_node), size=choice)
 
 
 def rank_sources(
     spec: LaunchSpec, name: str, stop: StopSignal, *, first: bool, fixed_size: bool,
     start_env: dict[str, str], spares: SparePool | None = None,
     host: tuple[list, list[RankSlot]] | None = None, avoid: frozenset[str] = frozenset(),
+    size_problem: Callable[[int], str | None] = lambda nodes: None,
 ) -> list[RankSource]:  # fmt: skip
     """In the order they are tried. The pool serves only a launch's first attempt (a relaunch has its
     spares, or places anew), and a first attempt's job name must be free on the cluster."""
@@ -132,4 +157,6 @@ def rank_sources(
     if first:
         placement.check_name_free(spec.job_name)
         sources.append(FromPool(spec, stop, start_env))
-    return [*sources, Fresh(spec, name, stop, fixed_size, avoid)]
+    # a relaunch with --nodes MIN:MAX goes on at once with the nodes that hold a group now
+    settle_s = None if first else RELAUNCH_SETTLE_S
+    return [*sources, Fresh(spec, name, stop, fixed_size, avoid, size_problem, settle_s)]

@@ -77,6 +77,12 @@ def _preflight(spec: LaunchSpec) -> Plan | None:
         return None
     layout = Layout.from_config(cfg)
     problems = layout_problems(layout, spec.nodes, spec.gpus_per_node)
+    wanted = spec.node_range
+    counts = range(wanted.max, wanted.min - 1, -1)
+    fits = [n for n in counts if not layout_problems(layout, n, spec.gpus_per_node)]
+    if problems and fits:  # --nodes MIN:MAX: a launch runs on the counts it fits
+        log.info("preflight: the layout fits %s of --nodes %s node(s)", ", ".join(map(str, fits)), wanted)
+        problems = []
     if problems:
         raise UsageError(
             f"recipe {target.recipe.name}: layout {layout.describe()} does not fit: " + "; ".join(problems)

@@ -12,7 +12,7 @@ from typing import Any
 from ..core.refs import split_ref
 from ..core.runner import BASE_IMPORTS, TargetRunner
 from ..core.spec import LaunchSpec
-from ..core.target import Target, TargetKind
+from ..core.target import Target, TargetKind, parse_dry_run_options
 
 log = logging.getLogger("megaray")
 
@@ -34,6 +34,24 @@ class DryRunRunner(TargetRunner):
     """The rendezvous check, then a tiny megatron-core GPT where megatron-core is installed."""
 
     looks_at_waits = False  # it times its forward steps (megatron/steptimes.py)
+    grows_at_checkpoint = True
+
+    def first_target(self, spec: LaunchSpec, plan: Any) -> Target:
+        """With `--nodes MIN:MAX` the tiny trainer keeps one layout and one global batch at every size
+        (its checkpoints load at another DP size, not at another TP or PP): those of the most nodes."""
+        if not spec.node_range.elastic:
+            return spec.target
+        shape = dict(zip(("tp", "pp", "global_batch"), dry_run_shape(spec), strict=True))
+        log.info("the dry run keeps TP %(tp)d x PP %(pp)d and a global batch of %(global_batch)d", shape)
+        given = parse_dry_run_options(spec.target.args)
+        fixed = [f"{k}={v}" for k, v in shape.items() if k not in given]
+        return replace(spec.target, args=(*spec.target.args, *fixed))
+
+    def size_problem(self, spec: LaunchSpec, plan: Any, nodes: int) -> str | None:
+        from .tiny_gpt import layout_problem
+
+        tp, pp, global_batch = dry_run_shape(spec)
+        return layout_problem(nodes * spec.gpus_per_node, tp, pp, global_batch)
 
     def main(self, target: Target, cwd: str) -> Any:
         from .dryrun import check_and_train
@@ -48,6 +66,7 @@ class MegatronRunner(TargetRunner):
     """Megatron-Bridge `pretrain()`/`finetune()` with a recipe's config and the command line's overrides."""
 
     looks_at_waits = False  # it times its forward steps (megatron/steptimes.py)
+    grows_at_checkpoint = True
 
     def main(self, target: Target, cwd: str) -> Any:
         from .bridge_target import train_recipe
@@ -78,11 +97,32 @@ class MegatronRunner(TargetRunner):
     def resume_target(self, target: Target, plan: Any) -> Target:
         return resume_target(target, plan)
 
+    def size_problem(self, spec: LaunchSpec, plan: Any, nodes: int) -> str | None:
+        """TP x PP x CP must divide the world, and the global batch the DP size times the micro batch
+        (core/layout.py); unknown without a preflight (no bridge in the driver)."""
+        if plan is None:
+            return None
+        from ..core.layout import layout_problems
+
+        return "; ".join(layout_problems(plan.layout, nodes, spec.gpus_per_node)) or None
+
 
 RUNNERS: dict[TargetKind, TargetRunner] = {
     TargetKind.MEGATRON: MegatronRunner(),
     TargetKind.DRYRUN: DryRunRunner(),
 }
+
+
+def dry_run_shape(spec: LaunchSpec) -> tuple[int, int, int]:
+    """The tiny trainer's TP, PP and global batch: as given (`--dry-run tp=.. pp=.. global_batch=..`),
+    else what it takes on the most nodes."""
+    from .tiny_gpt import MICRO_BATCH, MICROBATCHES, choose_layout
+
+    given = parse_dry_run_options(spec.target.args)
+    tp, pp, _ = choose_layout(spec.world_size, spec.gpus_per_node)
+    tp, pp = given.get("tp", tp), given.get("pp", pp)
+    dp = max(spec.world_size // (tp * pp), 1)
+    return tp, pp, given.get("global_batch", MICRO_BATCH * MICROBATCHES * dp)
 
 
 def align_timeouts(spec: LaunchSpec, plan: Any) -> Target:

@@ -16,12 +16,27 @@ from typing import Any
 from ..rank.capture import report
 from .steptimes import timed
 
+MICRO_BATCH = 4
+MICROBATCHES = 2  # a step's micro-batches per rank, unless `global_batch` sets them
+
 
 def choose_layout(world: int, local_world: int) -> tuple[int, int, int]:
     """TP 2 inside a node when it can, then PP 2 across what is left, then DP: TP2 x PP2 on 4 ranks."""
     tp = 2 if local_world % 2 == 0 and world % 2 == 0 else 1
     pp = 2 if (world // tp) % 2 == 0 else 1
     return tp, pp, world // (tp * pp)
+
+
+def layout_problem(
+    world: int, tp: int, pp: int, global_batch: int | None, micro_batch: int = MICRO_BATCH
+) -> str | None:
+    """Why the tiny trainer cannot run TP `tp` x PP `pp` (and `global_batch`) on `world` ranks."""
+    if world % (tp * pp):
+        return f"TP {tp} x PP {pp} = {tp * pp} does not divide {world} ranks"
+    dp = world // (tp * pp)
+    if global_batch is not None and global_batch % (micro_batch * dp):
+        return f"global batch {global_batch} is not a multiple of micro batch {micro_batch} x DP {dp}"
+    return None
 
 
 def train(
@@ -31,16 +46,21 @@ def train(
     hidden: int = 64,
     heads: int = 4,
     layers: int = 4,
-    micro_batch: int = 4,
-    microbatches: int = 2,
+    micro_batch: int = MICRO_BATCH,
+    microbatches: int = MICROBATCHES,
     lr: float = 3e-3,
     save: str | None = None,
     save_every: int = 5,
     data: str | None = None,
+    tp: int | None = None,
+    pp: int | None = None,
+    global_batch: int | None = None,
 ) -> dict[str, Any]:
-    """Train; with `save`, checkpoint every `save_every` steps and resume from the latest one there;
-    with `data`, on the tokens of a Megatron indexed dataset (`data`.bin/.idx, as Megatron's
-    preprocessing writes it) instead of counting sequences."""
+    """Train; with `save`, checkpoint every `save_every` steps and resume from the latest one there
+    (at another DP size too: the model and optimizer are the same on every DP rank); with `data`, on
+    the tokens of a Megatron indexed dataset (`data`.bin/.idx, as Megatron's preprocessing writes it)
+    instead of counting sequences. `tp`/`pp` fix the layout (else `choose_layout`), `global_batch` the
+    sequences a step takes over all DP ranks (micro-batches per rank follow from the DP size)."""
     import torch
     import torch.distributed as dist
 
@@ -52,7 +72,15 @@ def train(
         corpus = _read_corpus(data) if data else None
         if corpus is not None:
             vocab = max(vocab, int(corpus.max()) + 1)
-        return _train(steps, seq, vocab, hidden, heads, layers, micro_batch, microbatches, lr, ckpt, corpus)
+        world = dist.get_world_size()
+        if tp is None or pp is None:
+            tp, pp, _ = choose_layout(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        if problem := layout_problem(world, tp, pp, global_batch, micro_batch):
+            raise ValueError(f"--dry-run: {problem}")
+        if global_batch is not None:
+            microbatches = global_batch // (micro_batch * (world // (tp * pp)))
+        shape = (seq, vocab, hidden, heads, layers, micro_batch, microbatches)
+        return _train(steps, shape, (tp, pp), lr, ckpt, corpus)
     finally:
         from megatron.core import parallel_state
 
@@ -63,8 +91,9 @@ def train(
 
 
 class Checkpoints:
-    """Per-rank checkpoints in `<dir>/iter_<N>/rank<r>.pt`, and `<dir>/latest` naming the last complete
-    one (written by rank 0 after every rank has saved), as Megatron's tracker file does."""
+    """Per-rank checkpoints in `<dir>/iter_<N>/tp<t>-pp<p>-dp<d>.pt` (by parallel rank, so that another
+    DP size loads them), and `<dir>/latest` naming the last complete one (written by rank 0 after every
+    rank has saved), as Megatron's tracker file does."""
 
     def __init__(self, root: str, every: int):
         self.root, self.every = Path(root), every
@@ -73,13 +102,15 @@ class Checkpoints:
         tracker = self.root / "latest"
         return int(tracker.read_text()) if tracker.is_file() else 0
 
-    def save(self, iteration: int, rank: int, state: dict[str, Any]) -> None:
+    def save(self, iteration: int, part: tuple[int, int, int], state: dict[str, Any]) -> None:
+        """`part`: this rank's (TP, PP, DP) rank."""
         import torch
         import torch.distributed as dist
 
         folder = self.root / f"iter_{iteration:07d}"
         folder.mkdir(parents=True, exist_ok=True)
-        torch.save(state, folder / f"rank{rank}.pt")
+        torch.save(state, folder / _part_file(*part))
+        rank = dist.get_rank()
         dist.barrier()
         if rank == 0:
             tmp = self.root / "latest.tmp"
@@ -88,10 +119,20 @@ class Checkpoints:
             print(f"saved checkpoint at iteration {iteration} to {self.root}", flush=True)
         dist.barrier()
 
-    def load(self, iteration: int, rank: int) -> dict[str, Any]:
+    def load(self, iteration: int, part: tuple[int, int, int]) -> tuple[dict[str, Any], bool]:
+        """The state saved by the rank at `part` (TP, PP, DP), or, at a DP rank the checkpoint did not
+        have (saved at a smaller DP size), by DP rank 0 at the same TP and PP: False then, its data
+        position is not this rank's own."""
         import torch
 
-        return torch.load(self.root / f"iter_{iteration:07d}" / f"rank{rank}.pt", weights_only=False)
+        folder = self.root / f"iter_{iteration:07d}"
+        own = folder / _part_file(*part)
+        path = own if own.is_file() else folder / _part_file(part[0], part[1], 0)
+        return torch.load(path, weights_only=False), path == own
+
+
+def _part_file(tp: int, pp: int, dp: int) -> str:
+    return f"tp{tp}-pp{pp}-dp{dp}.pt"
 
 
 def _read_corpus(prefix: str):
@@ -110,16 +151,16 @@ def _read_corpus(prefix: str):
     return torch.from_numpy(np.concatenate([ds[i] for i in range(len(ds))]).astype(np.int64))
 
 
-def _train(
-    steps, seq, vocab, hidden, heads, layers, micro_batch, microbatches, lr, ckpt, corpus=None
-) -> dict[str, Any]:
+def _train(steps, shape, layout, lr, ckpt, corpus=None) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
     from .cpu_megatron import adapt_megatron_to_cpu
 
+    seq, vocab, hidden, heads, layers, micro_batch, microbatches = shape
     world, rank = dist.get_world_size(), dist.get_rank()
-    tp, pp, dp = choose_layout(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+    tp, pp = layout
+    dp = world // (tp * pp)
 
     from megatron.core import parallel_state
     from megatron.core.distributed import (
@@ -206,13 +247,23 @@ def _train(
     data = batches()
     losses: list[float] = []
     first = ckpt.latest() if ckpt else 0
+    part = (
+        parallel_state.get_tensor_model_parallel_rank(),
+        parallel_state.get_pipeline_model_parallel_rank(),
+        dp_rank,
+    )
     if first:
-        state = ckpt.load(first, rank)
+        state, own = ckpt.load(first, part)
         ddp.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])
-        gen.set_state(state["data"])
+        if own:
+            gen.set_state(state["data"])
+        else:  # a DP rank the checkpoint did not have: data of its own from here
+            gen.manual_seed(100 + dp_rank + 1000 * first)
         if rank == 0:
-            print(f"resumed from checkpoint at iteration {first}", flush=True)
+            saved_dp = state.get("dp", dp)
+            at = f" at DP {dp} (saved at DP {saved_dp})" if saved_dp != dp else ""
+            print(f"resumed from checkpoint at iteration {first}{at}", flush=True)
     reporter = (
         parallel_state.is_pipeline_last_stage()
         and parallel_state.get_tensor_model_parallel_rank() == 0
@@ -238,6 +289,7 @@ def _train(
                 report(step + 1, steps, losses[-1], tokens=micro_batch * microbatches * dp * seq)
         if ckpt and (step + 1) % ckpt.every == 0 and step + 1 < steps:
             state = {"model": ddp.state_dict(), "optimizer": optimizer.state_dict(), "data": gen.get_state()}
-            ckpt.save(step + 1, rank, state)
+            state["dp"] = dp
+            ckpt.save(step + 1, part, state)
     return {"rank": rank, "tp": tp, "pp": pp, "dp": dp, "dp_rank": dp_rank, "losses": losses or None,
             "first_iteration": first, "iterations": steps}  # fmt: skip

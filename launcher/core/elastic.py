@@ -1,0 +1,118 @@
+"""An elastic node count (`--nodes MIN:MAX`, as torchrun's `--nnodes` spells it): how many nodes an
+attempt runs on, decided without processes.
+
+A launch asks for MAX nodes and runs on as many as the cluster holds, at least MIN. Not every count
+in between suits every target: a Megatron layout needs TP x PP x CP to divide the world and the
+global batch to divide by the data-parallel size times the micro-batch. The target says what is
+wrong with a count (`TargetRunner.size_problem`); `choose_nodes` takes the largest count with nothing
+wrong and says why it passed over the larger ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class NodeRange:
+    """`--nodes N` (N:N) or `--nodes MIN:MAX`."""
+
+    min: int
+    max: int
+
+    def __post_init__(self):
+        if self.min < 1:
+            raise ValueError(f"--nodes must be at least 1, got {self.min}")
+        if self.max < self.min:
+            raise ValueError(
+                f"--nodes {self.min}:{self.max}: the minimum ({self.min}) is above the maximum ({self.max})"
+            )
+
+    @property
+    def elastic(self) -> bool:
+        return self.min < self.max
+
+    def __str__(self) -> str:
+        return f"{self.min}:{self.max}" if self.elastic else str(self.max)
+
+
+def parse_nodes(text: str) -> NodeRange:
+    """`4` or `2:4`; a ValueError names what was given and what is taken."""
+    lo, sep, hi = text.strip().partition(":")
+    try:
+        low = int(lo)
+        high = int(hi) if sep else low
+    except ValueError:
+        raise ValueError(f"--nodes takes N or MIN:MAX (as torchrun's --nnodes), got {text!r}") from None
+    return NodeRange(low, high)
+
+
+@dataclass(frozen=True)
+class NodeChoice:
+    """How many nodes an attempt runs on (None: no count from MIN up fits), and the larger counts
+    passed over: (nodes, why)."""
+
+    nodes: int | None
+    fit: int  # how many nodes the cluster held
+    skipped: tuple[tuple[int, str], ...] = ()
+
+    def describe(self, wanted: NodeRange) -> str:
+        """One line for the console and topology.json."""
+        if self.nodes is None:
+            head = f"no node count from {wanted.min} to {min(self.fit, wanted.max)} suits the target"
+        elif self.nodes == wanted.max:
+            return f"{self.nodes} node(s), the most asked for"
+        elif self.fit < wanted.max:
+            head = f"{self.nodes} of {wanted.max} node(s): the cluster holds {self.fit}"
+        else:
+            head = f"{self.nodes} of {wanted.max} node(s)"
+        passed = "; ".join(f"not {n}: {why}" for n, why in self.skipped)
+        return f"{head}; {passed}" if passed else head
+
+
+def choose_nodes(fit: int, wanted: NodeRange, problem: Callable[[int], str | None]) -> NodeChoice:
+    """The largest count of nodes up to `fit` (what the cluster holds) within `wanted` that the target
+    can run on (`problem(n)` is None)."""
+    skipped = []
+    for n in range(min(fit, wanted.max), wanted.min - 1, -1):
+        why = problem(n)
+        if why is None:
+            return NodeChoice(n, fit, tuple(skipped))
+        skipped.append((n, why))
+    return NodeChoice(None, fit, tuple(skipped))
+
+
+@dataclass(frozen=True)
+class GrowPolicy:
+    """When an attempt running below MAX nodes is ended to relaunch on more, once the cluster has room
+    for another node (`room_since`): at the next checkpoint the target writes after that (the Megatron
+    targets: no step older than that checkpoint is lost), or `grow_after_s` after it (`--grow-after`,
+    as Ray Train's resize check, for a plain program that resumes itself); else only at its next
+    failure, which relaunches on as many nodes as then hold a group."""
+
+    at_checkpoint: bool = False
+    grow_after_s: float | None = None
+
+    def grow_now(self, room_since: float | None, last_checkpoint_at: float | None, now: float) -> bool:
+        if room_since is None:
+            return False
+        if self.at_checkpoint and last_checkpoint_at is not None and last_checkpoint_at >= room_since:
+            return True
+        return self.grow_after_s is not None and now - room_since >= self.grow_after_s
+
+    def describe(self) -> str:
+        how = []
+        if self.at_checkpoint:
+            how.append("at its next checkpoint")
+        if self.grow_after_s is not None:
+            how.append(f"{self.grow_after_s:g}s after")
+        return " or ".join(how) or "at its next failure"
+
+
+class GrowTo(Exception):
+    """End this attempt and relaunch on up to `nodes` nodes."""
+
+    def __init__(self, nodes: int, why: str):
+        super().__init__(why)
+        self.nodes, self.why = nodes, why
