@@ -10,6 +10,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -138,6 +139,54 @@ def _left_on_the_cluster(dashboard: str, job: str) -> str:
 
 
 WORKERS = {"10.77.0.9": "1", "10.77.0.11": "2"}  # the script's machine number of each worker IP
+
+
+def test_nodes_min_max_shrinks_on_a_cut_link_and_grows_back_when_it_heals(machines, tmp_path):
+    """`--nodes 2:3` with the dry-run trainer checkpointing: all 3 machines start (DP 3); a worker's
+    link cut relaunches at once on the 2 left, which resume from the last checkpoint at DP 2; healing
+    the link (before Ray's own health checks give the machine up, ~65 s) grows the job back to 3 at
+    its next checkpoint, resumed at DP 3; exit 0, nothing left. Runs before the tests that cut for
+    good."""
+    import time
+
+    job, ckpt, said = "elastic", tmp_path / "ckpt", tmp_path / "driver.out"
+    cmd = [sys.executable, "main.py", "--address", machines, "--device", "cpu", "--nodes", "2:3",
+           "--max-restarts", "2", "--job-name", job, "--runs-dir", str(tmp_path),
+           "--dry-run", "steps=1500", f"save={ckpt}", "save_every=50"]  # fmt: skip
+    with said.open("w") as out:
+        p = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=out, stderr=subprocess.STDOUT, text=True)
+    log, topology = tmp_path / job / "rank-0.log", tmp_path / job / "topology.json"
+
+    def until(path: Path, pattern: str, timeout_s: float = 180) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not re.search(pattern, path.read_text() if path.exists() else ""):
+            assert p.poll() is None and time.monotonic() < deadline, said.read_text()[-4000:]
+            time.sleep(0.2)
+
+    until(log, r"saved checkpoint at iteration 100\b")
+    first = json.loads(topology.read_text())
+    assert first["nodes"]["running"] == 3, first
+    worker = next(r["node_ip"] for r in first["ranks"] if r["node_ip"] in WORKERS)
+    subprocess.run(["bash", str(SCRIPT), "cut", WORKERS[worker]], env=_env(), check=True, timeout=60)
+    try:
+        until(topology, r'"running": 2', timeout_s=60)  # relaunched on the 2 left
+    finally:
+        subprocess.run(["bash", str(SCRIPT), "heal", WORKERS[worker]], env=_env(), check=True, timeout=60)
+    until(log, r"resumed from checkpoint at iteration \d+ at DP 2 \(saved at DP 3\)")
+    until(log, r"resumed from checkpoint at iteration \d+ at DP 3 \(saved at DP 2\)")
+    assert p.wait(timeout=600) == 0, said.read_text()[-4000:]
+    out = said.read_text()
+    assert re.search(rf"restart 1 of 2 after: .*its node {re.escape(worker)} .* was lost", out), out[-4000:]
+    assert "the cluster has room for 3 node(s) of --nodes 2:3 (running on 2)" in out, out[-4000:]
+    summary = json.loads((tmp_path / job / "summary.json").read_text())
+    assert [r["kind"] for r in summary["restarts"]] == ["failure", "grow"], summary["restarts"]
+    assert summary["status"] == "succeeded" and summary["progress"]["iteration"] == 1500
+    last = json.loads(topology.read_text())
+    assert last["nodes"]["running"] == 3 and worker in {r["node_ip"] for r in last["ranks"]}
+    dashboard = "http://" + machines.replace(":36500", ":36501")
+    assert _left_on_the_cluster(dashboard, job) == "[] []"
+
+
 CUT: list[str] = []  # the machines cut so far (they stay lost until the module's teardown)
 
 

@@ -45,10 +45,12 @@ class GrowWatch:
             self.next_look = now + ROOM_EVERY_S
             self._look(now)
         if self.policy.grow_now(self.room_since, last_checkpoint_at, now):
+            saved = last_checkpoint_at is not None and last_checkpoint_at >= self.room_since
+            when = "a checkpoint was saved since" if saved else f"for {now - self.room_since:.0f}s"
             raise GrowTo(
                 self.target,
                 f"the cluster has room for {self.target} node(s) of --nodes {self.asked} (running on "
-                f"{self.spec.nodes}): growing {self.policy.describe()} room appeared",
+                f"{self.spec.nodes}), {when}",
             )
 
     def _look(self, now: float) -> None:

@@ -193,10 +193,9 @@ def place_groups(
     spec = dataclasses.replace(spec, nodes=asked)
     problem = feasibility_problem(spec, fit, wanted.min if wanted.elastic else asked)
     if wanted.elastic and not problem and fit < asked:
-        log.warning(
-            "only %d node(s) of the cluster can hold one group: waiting up to %gs for %d, then starting "
-            "with as many as are placed (at least %d)", fit, spec.placement_timeout_s, asked, wanted.min,
-        )  # fmt: skip
+        wait = f"waiting up to {spec.placement_timeout_s:g}s for {asked}, then starting with as many as are"
+        how = f"{wait} placed" if settle_s is None else f"going on with those placed within {settle_s:g}s"
+        log.warning("only %d node(s) of the cluster can hold a group: %s (at least %d)", fit, how, wanted.min)
     if problem and fixed_size:
         raise resource_error(spec, 0, problem, describe_nodes(), can_grow=False)
     fix = None
