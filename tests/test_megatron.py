@@ -249,6 +249,14 @@ def test_check_accepts_a_layout_that_fits(capsys):
     )
 
 
+def test_check_with_a_node_range_accepts_the_counts_the_layout_fits(capsys):
+    """--nodes 2:3 x 8 GPUs: 24 GPUs cannot take expert TP 8 x EP 2 nor a global batch of 64 at DP 3;
+    16 can. The launch would skip 3 (core/elastic.py); the check says which counts fit."""
+    assert main(["--check", "--recipe", "deepseek_v2_lite", "--nodes", "2:3", "--gpus-per-node", "8"]) == 0
+    assert "the layout fits 2 of --nodes 2:3 node(s)" in capsys.readouterr().err
+    assert main(["--check", "--recipe", "deepseek_v2_lite", "--nodes", "3:3", "--gpus-per-node", "8"]) == 2
+
+
 def test_a_layout_that_does_not_fit_exits_2_before_any_ray(capsys):
     import ray
 

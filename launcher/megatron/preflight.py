@@ -101,7 +101,9 @@ def _preflight(spec: LaunchSpec) -> Plan | None:
         )
     set_vocab_from_tokenizer(cfg)
     if spec.uses_gpus:
-        check_memory(spec, cfg, te_adapted=te_adapted(notes))
+        # with --nodes MIN:MAX, on the fewest nodes the layout fits: the smallest DP holds the most per GPU
+        fewest = spec.at_nodes(min(fits)) if fits else spec
+        check_memory(fewest, cfg, te_adapted=te_adapted(notes))
     log.info(
         "preflight: %s, DP %d fits %d rank(s) (%.1f s)",
         layout.describe(),
