@@ -64,15 +64,25 @@ class RankSource(Protocol):
 
 @dataclass
 class FromSpares:
+    """The failed attempt's spares. With --nodes MIN:MAX, when some are on a lost node, those of the
+    nodes left take over if their count is one the target can run on, at least MIN."""
+
     spares: SparePool
     stop: StopSignal
     avoid: frozenset[str] = frozenset()
+    spec: LaunchSpec | None = None
+    size_problem: Callable[[int], str | None] = lambda nodes: None
 
     def take(self) -> Placed | None:
-        if lost := sorted({s.node_ip for s in self.spares.slots if s.node_id in self.avoid}):
-            log.warning("the warm spares on %s are on a lost node: placing every rank anew", ", ".join(lost))
-            self.spares.discard(groups=True)
-            return None
+        size, spares = None, self.spares
+        if lost := ", ".join(sorted({s.node_ip for s in spares.slots if s.node_id in self.avoid})):
+            size = self._shrunk()
+            if size is None:
+                log.warning("the warm spares on %s are on a lost node: placing every rank anew", lost)
+                spares.discard(groups=True)
+                return None
+            log.info("the warm spares of the %d node(s) left take over (%s was lost)", size.nodes, lost)
+            spares.without(set(self.avoid), self.spec.gpus_per_node)
         try:
             reports = self.spares.take_over(self.stop)
         except SparesUnusable as e:
@@ -80,7 +90,17 @@ class FromSpares:
             self.spares.discard(groups=True)
             return None
         s = self.spares
-        return Placed(Source.SPARES, s.groups, s.slots, list(s.actors), reports, list(s.replaces_pids))
+        pids = list(s.replaces_pids)
+        return Placed(Source.SPARES, s.groups, s.slots, list(s.actors), reports, pids, size=size)
+
+    def _shrunk(self) -> NodeChoice | None:
+        """How many nodes the spares left make, when the launch is elastic and the target takes it."""
+        if self.spec is None or not self.spec.node_range.elastic:
+            return None
+        left = len({s.node_id for s in self.spares.slots if s.node_id not in self.avoid})
+        if left < self.spec.node_range.min or self.size_problem(left) is not None:
+            return None
+        return NodeChoice(left, left)
 
 
 @dataclass
@@ -151,7 +171,7 @@ def rank_sources(
     spares, or places anew), and a first attempt's job name must be free on the cluster."""
     sources: list[RankSource] = []
     if spares is not None:
-        sources.append(FromSpares(spares, stop, avoid))
+        sources.append(FromSpares(spares, stop, avoid, spec, size_problem))
     if host is not None:
         return [*sources, FromHost(*host)]
     if first:
