@@ -62,20 +62,20 @@ def test_a_count_the_target_cannot_take_is_passed_over_with_its_reason():
     assert most.describe(NodeRange(2, 4)) == "4 node(s), the most asked for"
 
 
-def test_the_dry_run_keeps_the_layout_and_global_batch_of_the_most_nodes_and_names_counts_it_cannot_take():
+def test_the_dry_run_keeps_one_layout_and_global_batch_and_names_the_counts_it_cannot_take():
     from launcher.megatron.runners import DryRunRunner
 
     runner = DryRunRunner()
     spec = spec_from_args(["--nodes", "2:4", "--gpus-per-node", "2", "--dry-run", "steps=9"], environ={})
     target = runner.first_target(spec, None)
-    assert target.args == ("steps=9", "tp=2", "pp=2", "global_batch=16")  # TP 2 x PP 2 x DP 2 on 4 nodes
+    assert target.args == ("steps=9", "tp=2", "pp=1", "global_batch=32")  # TP 2 x DP 4 on 4 nodes
     assert runner.size_problem(spec, None, 4) is None and runner.size_problem(spec, None, 2) is None
-    assert runner.size_problem(spec, None, 3) == "TP 2 x PP 2 = 4 does not divide 6 ranks"
+    assert runner.size_problem(spec, None, 3) == "global batch 32 is not a multiple of micro batch 4 x DP 3"
     given = spec_from_args(
-        ["--nodes", "2:4", "--gpus-per-node", "2", "--dry-run", "tp=2", "pp=1", "global_batch=16"], environ={}
+        ["--nodes", "2:4", "--gpus-per-node", "2", "--dry-run", "tp=2", "pp=2", "global_batch=48"], environ={}
     )
-    assert runner.first_target(given, None).args == ("tp=2", "pp=1", "global_batch=16")
-    assert runner.size_problem(given, None, 3) == "global batch 16 is not a multiple of micro batch 4 x DP 3"
+    assert runner.first_target(given, None).args == ("tp=2", "pp=2", "global_batch=48")
+    assert runner.size_problem(given, None, 3) == "TP 2 x PP 2 = 4 does not divide 6 ranks"
     fixed = spec_from_args(["--nodes", "4", "--gpus-per-node", "2", "--dry-run"], environ={})
     assert runner.first_target(fixed, None) == fixed.target  # not elastic: the trainer picks its own
 

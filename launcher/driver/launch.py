@@ -108,7 +108,8 @@ def _record(
     attempt = controller.last_attempt if controller else None
     run.write_summary(
         job=spec.job_name,
-        world_size=spec.world_size,
+        world_size=attempt.spec.world_size if attempt is not None else spec.world_size,  # the last attempt's
+        **({"nodes": str(spec.node_range)} if spec.node_range.elastic else {}),
         **run_outcome(error).summary(),
         restarts=[r.record() for r in controller.restarts] if controller else [],
         states=[{"state": s, "at": at} for s, at in controller.history] if controller else [],

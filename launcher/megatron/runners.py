@@ -38,7 +38,8 @@ class DryRunRunner(TargetRunner):
 
     def first_target(self, spec: LaunchSpec, plan: Any) -> Target:
         """With `--nodes MIN:MAX` the tiny trainer keeps one layout and one global batch at every size
-        (its checkpoints load at another DP size, not at another TP or PP): those of the most nodes."""
+        (its checkpoints load at another DP size, not at another TP or PP): TP within a node as it
+        chooses, no pipeline (any node count then divides), the global batch of the most nodes."""
         if not spec.node_range.elastic:
             return spec.target
         shape = dict(zip(("tp", "pp", "global_batch"), dry_run_shape(spec), strict=True))
@@ -114,13 +115,13 @@ RUNNERS: dict[TargetKind, TargetRunner] = {
 
 
 def dry_run_shape(spec: LaunchSpec) -> tuple[int, int, int]:
-    """The tiny trainer's TP, PP and global batch: as given (`--dry-run tp=.. pp=.. global_batch=..`),
-    else what it takes on the most nodes."""
+    """The tiny trainer's TP, PP and global batch with --nodes MIN:MAX: as given (`--dry-run tp=..
+    pp=.. global_batch=..`), else its own TP, PP 1, and the global batch of the most nodes."""
     from .tiny_gpt import MICRO_BATCH, MICROBATCHES, choose_layout
 
     given = parse_dry_run_options(spec.target.args)
-    tp, pp, _ = choose_layout(spec.world_size, spec.gpus_per_node)
-    tp, pp = given.get("tp", tp), given.get("pp", pp)
+    tp, _, _ = choose_layout(spec.world_size, spec.gpus_per_node)
+    tp, pp = given.get("tp", tp), given.get("pp", 1)
     dp = max(spec.world_size // (tp * pp), 1)
     return tp, pp, given.get("global_batch", MICRO_BATCH * MICROBATCHES * dp)
 
