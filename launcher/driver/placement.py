@@ -256,8 +256,8 @@ def _place_enough(
         if now >= deadline:
             raise _NotPlaced(len(placed))
         until = settle if enough else deadline
-        ready = {r.hex() for r in wait_all([refs[i] for i in pending], max(0.0, min(until - now, 1.0)), stop)}
-        newly = [i for i in pending if refs[i].hex() in ready]
+        ready = set(wait_all([refs[i] for i in pending], max(0.0, min(until - now, 1.0)), stop))
+        newly = [i for i in pending if refs[i] in ready]
         if not newly:
             continue
         order = sorted(placed) + newly
