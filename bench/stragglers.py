@@ -99,6 +99,15 @@ def megaray(address: str, script: Path, args: list[str], extra: list[str] = (), 
     )
 
 
+class Forwarder:
+    """Takes the samples a rank sends its node's forwarder (`forwarder.sample.remote(s)`)."""
+
+    sample = property(lambda self: self)
+
+    def remote(self, *args) -> None:
+        pass
+
+
 def in_process(rounds: int = 8, steps: int = 300) -> tuple[list[float], list[float]]:
     """The looks alone: the same steps in this process with the sampler thread on and off, in turn
     (no Ray, no other process sharing the cores)."""
@@ -108,12 +117,6 @@ def in_process(rounds: int = 8, steps: int = 300) -> tuple[list[float], list[flo
     import torch
 
     from launcher.rank.waits import WaitSampler
-
-    class Sink:  # takes the counts the sampler sends
-        sample = property(lambda self: self)
-
-        def remote(self, *args) -> None:
-            pass
 
     torch.set_num_threads(1)
     a = torch.randn(384, 384)
@@ -130,7 +133,7 @@ def in_process(rounds: int = 8, steps: int = 300) -> tuple[list[float], list[flo
     on, off = [], []
     for _ in range(rounds):
         off.append(median_step_ms())
-        sampler = WaitSampler(Sink(), 0, threading.get_ident(), 2)
+        sampler = WaitSampler(Forwarder(), 0, threading.get_ident(), 2)
         on.append(median_step_ms())
         sampler.stop()
         sampler.thread.join()
@@ -173,15 +176,6 @@ def false_positives(address: str, work: Path, seconds: float) -> int:
     return len(re.findall(r"is slow: about", out))
 
 
-class Forwarder:
-    """Takes the samples a rank sends its node's forwarder (`forwarder.sample.remote(s)`)."""
-
-    sample = property(lambda self: self)
-
-    def remote(self, *args) -> None:
-        pass
-
-
 def timer_alone(rounds: int = 8, calls: int = 300) -> tuple[list[float], list[float]]:
     """The timing alone: a forward-step-like call (4 matmuls) through StepTimer and not, in turn."""
     import statistics
@@ -216,14 +210,21 @@ def timer_alone(rounds: int = 8, calls: int = 300) -> tuple[list[float], list[fl
 RUN_NUMBER = itertools.count()
 
 
+def dry_run(address: str, work: Path, job: str, layout: list[str], steps: int, extra: list[str] = ()):
+    """The command of a dry run on CPU ranks, in `work`/`job`; `layout`: its --nodes etc."""
+    return [PY, str(REPO / "main.py"), "--address", address, "--device", "cpu", *layout, "--runs-dir",
+            str(work), "--job-name", job, *extra, "--dry-run", f"steps={steps}"]  # fmt: skip
+
+
+THREE_RANKS = ["--nodes", "1", "--gpus-per-node", "3", "--cpus-per-rank", "0.5"]  # TP 1 x PP 1 x DP 3
+
+
 def dry_run_iter_s(address: str, work: Path, steps: int, timed: bool) -> float:
     """Seconds per iteration of the dry-run trainer (TP 1 x PP 2 on 2 nodes x 1 CPU rank), from its
     first progress report to the ranks' end."""
     job = f"dry-{next(RUN_NUMBER)}"
     extra = [] if timed else ["--env", "MEGARAY_STRAGGLERS=off"]
-    cmd = [PY, str(REPO / "main.py"), "--address", address, "--device", "cpu", "--nodes", "2",
-           "--gpus-per-node", "1", "--runs-dir", str(work), "--job-name", job, *extra,
-           "--dry-run", f"steps={steps}"]  # fmt: skip
+    cmd = dry_run(address, work, job, ["--nodes", "2", "--gpus-per-node", "1"], steps, extra)
     done = subprocess.run(cmd, cwd=REPO, env=clean_env(), capture_output=True, text=True, timeout=900)
     if done.returncode != 0:
         raise RuntimeError(done.stdout[-3000:] + done.stderr[-3000:])
@@ -234,9 +235,7 @@ def dry_run_iter_s(address: str, work: Path, steps: int, timed: bool) -> float:
 
 def dry_run_time_to_name(address: str, work: Path) -> tuple[float, float]:
     job = f"dry-{next(RUN_NUMBER)}"
-    cmd = [PY, str(REPO / "main.py"), "--address", address, "--device", "cpu", "--nodes", "1",
-           "--gpus-per-node", "3", "--cpus-per-rank", "0.5", "--runs-dir", str(work), "--job-name", job,
-           "--dry-run", "steps=100000"]  # fmt: skip
+    cmd = dry_run(address, work, job, THREE_RANKS, 100_000)
     out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
     proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), **out)
     named, slowed, started = threading.Event(), None, None
@@ -262,9 +261,7 @@ def dry_run_false_positives(address: str, work: Path, seconds: float) -> int:
     """Ranks named slow in `seconds` of a balanced dry-run trainer on 3 ranks (TP 1 x PP 1 x DP 3)
     with two processes burning the 2 cores: its forward steps are timed by the wall clock on a CPU,
     so the machine's load shows in them."""
-    cmd = [PY, str(REPO / "main.py"), "--address", address, "--device", "cpu", "--nodes", "1",
-           "--gpus-per-node", "3", "--cpus-per-rank", "0.5", "--runs-dir", str(work), "--job-name",
-           f"dry-{next(RUN_NUMBER)}", "--dry-run", "steps=10000000"]  # fmt: skip
+    cmd = dry_run(address, work, f"dry-{next(RUN_NUMBER)}", THREE_RANKS, 10_000_000)
     out = {"stdout": subprocess.PIPE, "stderr": subprocess.STDOUT, "text": True}
     burners = [subprocess.Popen([PY, "-c", BURN.format(s=seconds + 120)]) for _ in range(2)]
     proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), **out)

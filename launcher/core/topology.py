@@ -10,7 +10,7 @@ from __future__ import annotations
 import ipaddress
 import random
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 
 @dataclass(frozen=True)
@@ -71,6 +71,12 @@ def ip_sort_key(ip: str, node_id: str) -> tuple:
 def order_nodes(nodes: Iterable[NodeSlot]) -> list[NodeSlot]:
     """Nodes in rank order: the first one hosts rank 0 and gives MASTER_ADDR."""
     return sorted(nodes, key=lambda n: ip_sort_key(n.node_ip, n.node_id))
+
+
+def renumbered(nodes: list[NodeSlot]) -> list[NodeSlot]:
+    """`nodes` as the groups of a list that holds theirs alone, in this order (some groups dropped):
+    each one's `group` becomes its position."""
+    return [replace(n, group=i) for i, n in enumerate(nodes)]
 
 
 def assign_ranks(ordered: list[NodeSlot], gpus_per_node: int) -> list[RankSlot]:

@@ -9,8 +9,6 @@ import logging
 import time
 from collections.abc import Callable
 
-import ray
-
 from ..core.elastic import GrowPolicy, GrowTo, NodeRange, choose_nodes
 from ..core.spec import LaunchSpec
 from . import rayprivate
@@ -75,7 +73,6 @@ class GrowWatch:
 
     def _forgive(self) -> None:
         """A lost node that Ray still counts alive and whose raylet answers again (a healed link)."""
-        alive = {n["NodeID"] for n in ray.nodes() if n.get("Alive")}
-        for node_id in [n for n in self.lost if n in alive and not node_lost(n)]:
+        for node_id in [n for n in self.lost if not node_lost(n)]:
             log.info("node %s answers again: it can be placed on again", node_id[:8])
             self.lost.discard(node_id)

@@ -71,7 +71,7 @@ def nodes_that_could_fit(spec: LaunchSpec, exclude: tuple[str, ...] = ()) -> int
     return nodes_that_fit(totals, bundle_for(spec), spec.gpus_per_node)
 
 
-def feasibility_problem(spec: LaunchSpec, fit: int, needed: int) -> str | None:
+def feasibility_problem(fit: int, needed: int) -> str | None:
     """A message when the cluster as it stands (`fit` nodes could hold a group) could never hold the
     `needed` groups, else None."""
     if fit >= needed:
@@ -191,7 +191,7 @@ def place_groups(
     fit = nodes_that_could_fit(spec, exclude)
     asked = min(wanted.max, max(fit, wanted.min)) if fixed_size else wanted.max
     spec = dataclasses.replace(spec, nodes=asked)
-    problem = feasibility_problem(spec, fit, wanted.min if wanted.elastic else asked)
+    problem = feasibility_problem(fit, wanted.min if wanted.elastic else asked)
     if wanted.elastic and not problem and fit < asked:
         wait = f"waiting up to {spec.placement_timeout_s:g}s for {asked}, then starting with as many as are"
         how = f"{wait} placed" if settle_s is None else f"going on with those placed within {settle_s:g}s"

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 from ..core.elastic import NodeChoice, choose_nodes
 from ..core.errors import UsageError
 from ..core.spec import LaunchSpec
-from ..core.topology import RankReport, RankSlot, assign_ranks, order_nodes
+from ..core.topology import RankReport, RankSlot, assign_ranks, order_nodes, renumbered
 from . import placement, pool
 from .spares import SparePool, SparesUnusable
 from .stop import StopSignal
@@ -154,10 +154,9 @@ class Fresh:
             if choice.nodes is None:
                 placement.remove_groups(groups)
                 raise UsageError(f"--nodes {spec.node_range}: {choice.describe(spec.node_range)}")
-            kept = {n.group for n in nodes[: choice.nodes]}
-            placement.remove_groups([g for i, g in enumerate(groups) if i not in kept])
-            groups = [g for i, g in enumerate(groups) if i in kept]
-            nodes = order_nodes(placement.resolve_nodes(groups))
+            kept = nodes[: choice.nodes]
+            placement.remove_groups([groups[n.group] for n in nodes[choice.nodes :]])
+            groups, nodes = [groups[n.group] for n in kept], renumbered(kept)
         return Placed(Source.FRESH, groups, assign_ranks(nodes, spec.gpus_per_node), size=choice)
 
 

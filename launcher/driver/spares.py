@@ -24,7 +24,7 @@ import ray
 from ray.util.placement_group import placement_group_table
 
 from ..core.target import Target
-from ..core.topology import NodeSlot, RankReport, RankSlot, assign_ranks, order_nodes
+from ..core.topology import NodeSlot, RankReport, RankSlot, assign_ranks, order_nodes, renumbered
 from . import placement
 from .actors import first_line, kill_actors, start_rank_actor, wait_all
 from .stop import StopSignal
@@ -141,14 +141,12 @@ class SparePool:
         gone = {s.group for s in self.slots if s.node_id in nodes}
         kill_actors([a for a, s in zip(self.actors, self.slots, strict=True) if s.group in gone])
         placement.remove_groups([g for i, g in enumerate(self.groups) if i in gone])
-        kept = [i for i in range(len(self.slots)) if self.slots[i].group not in gone]
-        index = {g: k for k, g in enumerate(i for i in range(len(self.groups)) if i not in gone)}
-        left = {self.slots[i] for i in kept}
-        nodes_left = order_nodes({NodeSlot(index[s.group], s.node_ip, s.node_id, s.hostname) for s in left})
-        new_slots = assign_ranks(nodes_left, gpus_per_node)
-        by_place = {(self.slots[i].node_id, self.slots[i].bundle): i for i in kept}
-        order = [by_place[(s.node_id, s.bundle)] for s in new_slots]
-        self.groups = [g for i, g in enumerate(self.groups) if i not in gone]
+        kept = (s for s in self.slots if s.group not in gone)
+        left = order_nodes({NodeSlot(s.group, s.node_ip, s.node_id, s.hostname) for s in kept})  # old index
+        new_slots = assign_ranks(renumbered(left), gpus_per_node)
+        spare_at = {(s.group, s.bundle): i for i, s in enumerate(self.slots)}  # by old group and bundle
+        order = [spare_at[(left[s.group].group, s.bundle)] for s in new_slots]
+        self.groups = [self.groups[n.group] for n in left]
         self.slots = new_slots
         self.actors = [self.actors[i] for i in order]
         self.warm_refs = [self.warm_refs[i] for i in order]

@@ -76,17 +76,16 @@ def _preflight(spec: LaunchSpec) -> Plan | None:
         )
         return None
     layout = Layout.from_config(cfg)
-    problems = layout_problems(layout, spec.nodes, spec.gpus_per_node)
-    wanted = spec.node_range
+    wanted = spec.node_range  # --nodes MIN:MAX: a launch runs on the counts the layout fits
     counts = range(wanted.max, wanted.min - 1, -1)
     fits = [n for n in counts if not layout_problems(layout, n, spec.gpus_per_node)]
-    if problems and fits:  # --nodes MIN:MAX: a launch runs on the counts it fits
-        log.info("preflight: the layout fits %s of --nodes %s node(s)", ", ".join(map(str, fits)), wanted)
-        problems = []
-    if problems:
+    if not fits:
+        problems = layout_problems(layout, spec.nodes, spec.gpus_per_node)
         raise UsageError(
             f"recipe {target.recipe.name}: layout {layout.describe()} does not fit: " + "; ".join(problems)
         )
+    if fits[0] != spec.nodes:
+        log.info("preflight: the layout fits %s of --nodes %s node(s)", ", ".join(map(str, fits)), wanted)
     dp = spec.world_size // (layout.tp * layout.pp * layout.cp)
     for note in notes:
         log.info("preflight: %s", note)
@@ -102,8 +101,7 @@ def _preflight(spec: LaunchSpec) -> Plan | None:
     set_vocab_from_tokenizer(cfg)
     if spec.uses_gpus:
         # with --nodes MIN:MAX, on the fewest nodes the layout fits: the smallest DP holds the most per GPU
-        fewest = spec.at_nodes(min(fits)) if fits else spec
-        check_memory(fewest, cfg, te_adapted=te_adapted(notes))
+        check_memory(spec.at_nodes(fits[-1]), cfg, te_adapted=te_adapted(notes))
     log.info(
         "preflight: %s, DP %d fits %d rank(s) (%.1f s)",
         layout.describe(),
