@@ -32,8 +32,9 @@ def failed(kind: FailureKind = FailureKind.DIED, at: float = 1.0, summary: str =
 class FakeAttempt:
     """`script[state method] = exception` makes that method raise; the rest succeed."""
 
-    def __init__(self, number: int, spares, events: list, script: dict | None = None):
+    def __init__(self, number: int, spares, events: list, script: dict | None = None, growing: bool = False):
         self.number, self.spares_in, self.events, self.script = number, spares, events, script or {}
+        self.growing = growing
         self.adopted = False
         self.torn_down = False
 
@@ -66,11 +67,21 @@ class FakeAttempt:
         self.events.append(("teardown", self.number))
 
 
-def controller(max_restarts: int, scripts: dict[int, dict], events: list, states: list | None = None):
+def controller(
+    max_restarts: int, scripts: dict[int, dict], events: list, states: list | None = None,
+    made: list | None = None,
+):  # fmt: skip
+    """`made` collects the attempts made, in order."""
     clock = iter(range(1000))
+
+    def new_attempt(k, spares, growing):
+        attempt = FakeAttempt(k, spares, events, scripts.get(k), growing)
+        (made if made is not None else []).append(attempt)
+        return attempt
+
     return Controller(
         FailurePolicy(max_restarts),
-        lambda k, spares: FakeAttempt(k, spares, events, scripts.get(k)),
+        new_attempt,
         on_state=(states if states is not None else []).append,
         clock=lambda: float(next(clock)),
     )
@@ -178,7 +189,7 @@ def test_a_failed_relaunch_placement_records_that_no_spares_were_taken():
     events: list = []
     scripts = {0: {"watch": failed()}, 1: {"place": ResourceError("gone")}}
 
-    def no_spares(k, spares):
+    def no_spares(k, spares, growing):
         return FakeAttempt(k, None, events, scripts.get(k))  # the spares could not take over
 
     c = Controller(FailurePolicy(1), no_spares)
@@ -205,7 +216,7 @@ def test_sigterm_during_a_restarts_teardown_ends_the_launch_interrupted():
             super().teardown()
             raise Interrupted(signal.SIGTERM, "SIGTERM")
 
-    c = Controller(FailurePolicy(3), lambda k, s: StoppedInTeardown(k, s, events, {"watch": failed()}))
+    c = Controller(FailurePolicy(3), lambda k, s, g: StoppedInTeardown(k, s, events, {"watch": failed()}))
     with pytest.raises(Interrupted):
         c.run()
     assert c.state is LaunchState.INTERRUPTED and events.count(("teardown", 0)) == 1
@@ -393,10 +404,13 @@ def test_growing_relaunches_without_counting_against_max_restarts():
     restart: grows are not failures."""
     events: list = []
     grow = GrowTo(3, "the cluster has room for 3 node(s)")
-    c = controller(1, {0: {"watch": grow}, 1: {"watch": failed()}}, events)
+    attempts: list = []
+    c = controller(1, {0: {"watch": grow}, 1: {"watch": failed()}}, events, made=attempts)
     assert c.run() == "result of attempt 2"
     again = [RESTARTING, P, S, R]
     assert [s for s, _ in c.history] == [P, S, R, *again, *again, F, LaunchState.SUCCEEDED]
     assert ("hand_over", 0) not in events and ("teardown", 0) in events and ("hand_over", 1) in events
     assert [(r.attempt, r.kind) for r in c.restarts] == [(1, RestartKind.GROW), (2, RestartKind.FAILURE)]
     assert c.restarts[0].cause == "the cluster has room for 3 node(s)" and c.failed == 1
+    # only the grow's relaunch waits for the nodes it saw room for (driver/sources.py GROW_SETTLE_S)
+    assert [a.growing for a in attempts] == [False, True, False]

@@ -60,10 +60,11 @@ class Attempt:
         lost_nodes: set[str] | None = None,
         size_problem: Callable[[int], str | None] = lambda nodes: None,
         grow: GrowPolicy | None = None,
+        growing: bool = False,
     ):
         """`lost_nodes`: the launch's nodes found lost so far, not placed on again (unless they answer
         again); this attempt adds those it finds. `grow`: with --nodes MIN:MAX, when an attempt below
-        MAX ends to relaunch on more nodes (driver/grow.py)."""
+        MAX ends to relaunch on more nodes (driver/grow.py); `growing`: this attempt is such a relaunch."""
         self.spec, self.number, self.stop, self.run, self.progress = spec, number, stop, run, progress
         self.asked = spec.node_range  # the spec becomes this attempt's own once placed (--nodes MIN:MAX)
         self.size_problem, self.grow_policy = size_problem, grow
@@ -72,7 +73,7 @@ class Attempt:
         self.lost_nodes = lost_nodes if lost_nodes is not None else set()
         self.gang = RankGang(
             spec, stop, profile=profile, name=name, attempt=number, fixed_size=cluster.fixed_size,
-            avoid=frozenset(self.lost_nodes), size_problem=size_problem,
+            avoid=frozenset(self.lost_nodes), size_problem=size_problem, growing=growing,
         )  # fmt: skip
         self.spares_in = spares_in  # given by the failed attempt, until adopted or discarded
         self.spares_out: SparePool | None = None  # started for the next attempt

@@ -75,7 +75,7 @@ class Controller:
     def __init__(
         self,
         policy: FailurePolicy,
-        new_attempt: Callable[[int, Any], AttemptLike],
+        new_attempt: Callable[[int, Any, bool], AttemptLike],
         *,
         placement_timeout_s: float = 0.0,
         min_nodes: int | None = None,
@@ -94,6 +94,7 @@ class Controller:
         self.restarts: list[Restart] = []
         self.result: Any = None
         self._spares: Any = None  # the failed attempt's, for the next one
+        self._growing = False  # the next attempt is a grow's relaunch
         self._failure: RankFailedError | None = None
 
     def run(self) -> Any:
@@ -133,7 +134,8 @@ class Controller:
     # -- one method per state, each returning the next ---------------------------------------------
     def _place(self) -> LaunchState:
         spares, self._spares = self._spares, None
-        self.attempt = self.last_attempt = self.new_attempt(self.number, spares)
+        growing, self._growing = self._growing, False
+        self.attempt = self.last_attempt = self.new_attempt(self.number, spares, growing)
         self.attempt.place()
         return LaunchState.STARTING
 
@@ -180,6 +182,7 @@ class Controller:
         on them (not a failure: --max-restarts does not count it)."""
         self.restarts.append(Restart(self.number + 1, grow.why, self.clock(), kind=RestartKind.GROW))
         log.warning("%s; relaunching every rank on up to %d node(s)", grow.why, grow.nodes)
+        self._growing = True
         self._close()
         return LaunchState.RESTARTING
 

@@ -98,10 +98,12 @@ class RankGang:
         host: RankGang | None = None,
         avoid: frozenset[str] = frozenset(),
         size_problem: Callable[[int], str | None] = lambda nodes: None,
+        growing: bool = False,
     ):
         self.spec, self.stop, self.profile = spec, stop, profile
         self.avoid = avoid  # nodes an earlier attempt found lost: never placed on again
         self.size_problem = size_problem  # what the target cannot run on (--nodes MIN:MAX)
+        self.growing = growing  # a relaunch on more nodes (--nodes MIN:MAX), not after a failure
         self.name, self.attempt, self.fixed_size = name, attempt, fixed_size
         self.gpu_share, self.host = gpu_share, host
         # what every rank's process must have from its start (PYTHONHASHSEED, LD_PRELOAD, ...)
@@ -163,7 +165,7 @@ class RankGang:
         sources = rank_sources(
             spec, self.name, self.stop, first=self.attempt == 0, fixed_size=self.fixed_size,
             start_env=self.start_env, spares=spares, host=host, avoid=self.avoid,
-            size_problem=self.size_problem,
+            size_problem=self.size_problem, growing=self.growing,
         )  # fmt: skip
         placed = next(p for p in (source.take() for source in sources) if p is not None)
         self.spec = sized(spec, placed)

@@ -74,11 +74,12 @@ def _launch(spec: LaunchSpec, exits_after: bool) -> LaunchResult:
             lost_nodes: set[str] = set()  # found by any attempt, avoided by the next
             grow = GrowPolicy(runner.grows_at_checkpoint, spec.grow_after_s)  # with --nodes MIN:MAX
 
-            def new_attempt(k: int, spares: SparePool | None) -> Attempt:
+            def new_attempt(k: int, spares: SparePool | None, growing: bool) -> Attempt:
                 target = first_target if k == 0 else runner.resume_target(first_target, plan)
                 return Attempt(
                     replace(spec, target=target), k, cluster, profile, stop, run, progress, spares,
                     lost_nodes, size_problem=lambda nodes: runner.size_problem(spec, plan, nodes), grow=grow,
+                    growing=growing,
                 )  # fmt: skip
 
             controller = Controller(

@@ -24,6 +24,9 @@ log = logging.getLogger("megaray")
 # a relaunch with --nodes MIN:MAX waits this long for its groups to be placed before it goes on with
 # fewer (at least MIN): the nodes left hold one at once; a lost node's replacement is not waited for
 RELAUNCH_SETTLE_S = 5.0
+# a grow's relaunch saw room for its nodes: it waits up to this long for them all before it goes on
+# with what is placed (a healed node's raylet was seen to take some seconds to place again)
+GROW_SETTLE_S = 60.0
 
 
 class Source(StrEnum):
@@ -164,7 +167,7 @@ def rank_sources(
     spec: LaunchSpec, name: str, stop: StopSignal, *, first: bool, fixed_size: bool,
     start_env: dict[str, str], spares: SparePool | None = None,
     host: tuple[list, list[RankSlot]] | None = None, avoid: frozenset[str] = frozenset(),
-    size_problem: Callable[[int], str | None] = lambda nodes: None,
+    size_problem: Callable[[int], str | None] = lambda nodes: None, growing: bool = False,
 ) -> list[RankSource]:  # fmt: skip
     """In the order they are tried. The pool serves only a launch's first attempt (a relaunch has its
     spares, or places anew), and a first attempt's job name must be free on the cluster."""
@@ -176,6 +179,7 @@ def rank_sources(
     if first:
         placement.check_name_free(spec.job_name)
         sources.append(FromPool(spec, stop, start_env))
-    # a relaunch with --nodes MIN:MAX goes on at once with the nodes that hold a group now
-    settle_s = None if first else RELAUNCH_SETTLE_S
+    # a relaunch with --nodes MIN:MAX goes on at once with the nodes that hold a group now; a grow's
+    # waits for the nodes it saw room for
+    settle_s = None if first else GROW_SETTLE_S if growing else RELAUNCH_SETTLE_S
     return [*sources, Fresh(spec, name, stop, fixed_size, avoid, size_problem, settle_s)]
