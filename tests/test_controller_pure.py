@@ -15,7 +15,7 @@ from launcher.core.elastic import GrowTo
 from launcher.core.errors import FailureKind, Interrupted, RankFailedError, RankFailure, ResourceError
 from launcher.core.outcome import LaunchState, run_outcome
 from launcher.core.policy import FailureDecision, FailurePolicy
-from launcher.driver.controller import RELAUNCHED, REMOVED, Controller, RestartKind
+from launcher.driver.controller import RELAUNCHED, REMOVED, Controller, LaunchObserver, RestartKind
 
 P, S, R, F = LaunchState.PLACING, LaunchState.STARTING, LaunchState.RUNNING, LaunchState.FINISHING
 RESTARTING = LaunchState.RESTARTING
@@ -82,9 +82,25 @@ def controller(
     return Controller(
         FailurePolicy(max_restarts),
         new_attempt,
-        on_state=(states if states is not None else []).append,
+        observers=(Recorder(states if states is not None else []),),
         clock=lambda: float(next(clock)),
     )
+
+
+class Recorder(LaunchObserver):
+    """Every state it is told, in `states`; failures and restarts in their own lists."""
+
+    def __init__(self, states: list):
+        self.states, self.failures, self.restarts = states, [], []
+
+    def on_state(self, state):
+        self.states.append(state)
+
+    def on_failure(self, failure):
+        self.failures.append(failure)
+
+    def on_restart(self, restart):
+        self.restarts.append(restart)
 
 
 def test_an_attempt_steps_placing_starting_running_finishing_succeeded():
@@ -171,6 +187,10 @@ def test_the_last_failure_is_raised_once_restarts_run_out():
     c = controller(1, {0: {"watch": failed(at=0.0)}, 1: {"watch": failed(at=1.0)}}, events)
     with pytest.raises(RankFailedError) as e:
         c.run()
+    (recorder,) = c.observers  # told of both failures, the one relaunch, and the end
+    assert [f.root.at for f in recorder.failures] == [0.0, 1.0]
+    assert [(r.attempt, r.kind) for r in recorder.restarts] == [(1, RestartKind.FAILURE)]
+    assert recorder.states[-1] is LaunchState.FAILED
     assert e.value.root.at == 1.0 and e.value.ending == REMOVED  # attempt 1's failure
     assert [ev for ev in events if ev[0] == "teardown"] == [("teardown", 0), ("teardown", 1)]
     assert ("hand_over", 1) not in events and len(c.restarts) == 1

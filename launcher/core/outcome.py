@@ -5,7 +5,7 @@ dicts whose keys and string values each file must agree on (torch elastic's `Run
 from __future__ import annotations
 
 import signal
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -89,3 +89,35 @@ def run_outcome(error: BaseException | None) -> RunOutcome:
             return RunOutcome(LaunchState.ERROR, error.exit_code, str(error))
         case _:
             return RunOutcome(LaunchState.ERROR, 1, f"{type(error).__name__}: {error}")
+
+
+class RestartKind(StrEnum):
+    FAILURE = "failure"  # a rank failed: counted against --max-restarts
+    GROW = "grow"  # --nodes MIN:MAX, below MAX: relaunched on more nodes (not counted)
+
+
+@dataclass
+class Restart:
+    """A relaunch, as summary.json's `restarts` lists it."""
+
+    attempt: int
+    cause: str
+    at: float
+    warm_spares: bool | None = None  # whether the relaunch took over the failed attempt's spares
+    kind: RestartKind = RestartKind.FAILURE
+
+    def record(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class LaunchObserver:
+    """Told what the controller does (the progress view, the job's metrics); the defaults ignore it."""
+
+    def on_state(self, state: LaunchState) -> None:
+        pass
+
+    def on_failure(self, failure: RankFailedError) -> None:
+        """An attempt failed (whatever the policy decides)."""
+
+    def on_restart(self, restart: Restart) -> None:
+        """A relaunch was decided (a failure's or a grow's)."""

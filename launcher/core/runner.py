@@ -71,6 +71,11 @@ class TargetRunner:
         plain program runs on any count, as under torchrun's elastic launch."""
         return None
 
+    def parallel_dims(self, spec: LaunchSpec, plan: Any) -> tuple[int, int, int] | None:
+        """The TP, PP and CP sizes of `spec`'s world, for the ranks' coordinates in the metrics
+        (core/metrics.py); None where the target does not know them (a plain program)."""
+        return None
+
 
 class RankGroupRunner(TargetRunner):
     """A rank group's functions are called from the driver's process (driver/group.py), and print

@@ -19,6 +19,7 @@ from pathlib import Path
 from .args import ArgumentParser, number
 from .elastic import NodeRange, parse_nodes
 from .errors import UsageError
+from .metrics import MetricsMode
 from .progress import H100_SXM_BF16_TFLOPS
 from .rankenv import forwarded_env, parse_env_pairs
 from .recipes import check_overrides, load_recipe
@@ -67,6 +68,7 @@ class LaunchSpec:
     gpu_memory_gb: float = DEFAULT_GPU_MEMORY_GB  # per GPU, what the memory preflight checks against
     min_nodes: int | None = None  # `--nodes MIN:MAX`: the fewest an attempt runs on (None: `nodes`)
     grow_after_s: float | None = None  # below MAX nodes with room for more: relaunch on them after this
+    metrics: MetricsMode = MetricsMode.RANK  # Prometheus series through Ray's export (core/metrics.py)
 
     def __post_init__(self):
         for flag, value in (
@@ -245,6 +247,13 @@ def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
         help=f"peak TFLOP/s per GPU for MFU (default {H100_SXM_BF16_TFLOPS:g}: H100 SXM, dense BF16)",
     )
     p.add_argument(
+        "--metrics",
+        choices=[m.value for m in MetricsMode],
+        default=MetricsMode.RANK.value,
+        help="training metrics in Ray's Prometheus export (ray_megaray_*): a series per rank (default), "
+        "per node (its ranks aggregated: for thousands of ranks), or off",
+    )
+    p.add_argument(
         "--max-restarts",
         type=int,
         default=0,
@@ -353,6 +362,7 @@ def spec_from_args(
             log_ranks=args.log_ranks,
             runs_dir=args.runs_dir,
             peak_tflops=args.peak_tflops,
+            metrics=MetricsMode(args.metrics),
             max_restarts=args.max_restarts,
             hang_timeout_s=args.hang_timeout,
             spares=args.spares,

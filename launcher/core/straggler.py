@@ -44,6 +44,7 @@ class WaitSample:
     at: float
     samples: int
     waiting: int
+    memory: tuple[int, int] | None = None  # GPU bytes allocated and reserved, where CUDA is used
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ class StepSample:
     stage: int
     steps: int
     seconds: float
+    memory: tuple[int, int] | None = None  # GPU bytes allocated and reserved (core/metrics.py)
 
 
 Sample = WaitSample | StepSample
@@ -157,6 +159,11 @@ class StragglerDetector:
         """rank -> what makes it one (`since` is filled in by `look`)."""
         raise NotImplementedError
 
+    def scores(self, now: float) -> dict[int, float]:
+        """Each rank's time per step against its peers' median (1: as fast), for the ranks with
+        enough samples: the metrics' straggler score (core/metrics.py)."""
+        raise NotImplementedError
+
     def look(self, now: float) -> Change:
         if self.world_size < 2:
             return Change()
@@ -197,6 +204,12 @@ class WaitDetector(StragglerDetector):
             out[rank] = sum(s.waiting for s in q) / n
         return out
 
+    def scores(self, now: float) -> dict[int, float]:
+        waits = self.fractions(now)
+        if waits is None or len(waits) < 2:
+            return {}
+        return {rank: _slowdown(waits, rank) for rank in waits}
+
     def suspects(self, now: float) -> dict[int, Straggler]:
         waits = self.fractions(now)
         if waits is None:
@@ -205,11 +218,15 @@ class WaitDetector(StragglerDetector):
         for rank, mine in waits.items():
             peers = statistics.median(w for r, w in waits.items() if r != rank)
             if peers >= PEERS_WAITING_MIN and mine <= peers * AS_LITTLE_AS:
-                # both run one step each: the peers' time outside collectives is their compute, its
-                # own the whole step less its (short) waits
-                slowdown = (1.0 - mine) / max(1.0 - peers, 0.02)
-                found[rank] = WaitStraggler(rank, slowdown, 0.0, mine, peers)
+                found[rank] = WaitStraggler(rank, _slowdown(waits, rank), 0.0, mine, peers)
         return _few(found, len(waits))
+
+
+def _slowdown(waits: dict[int, float], rank: int) -> float:
+    """A rank's time per step outside collectives against its peers': both run one step each, the
+    peers' time outside collectives is their compute, its own the whole step less its waits."""
+    peers = statistics.median(w for r, w in waits.items() if r != rank)
+    return (1.0 - waits[rank]) / max(1.0 - peers, 0.02)
 
 
 class StepDetector(StragglerDetector):
@@ -226,6 +243,14 @@ class StepDetector(StragglerDetector):
             if steps >= MIN_STEPS:
                 stages.setdefault(q[-1].stage, {})[rank] = sum(s.seconds for s in q) / steps
         return stages
+
+    def scores(self, now: float) -> dict[int, float]:
+        out = {}
+        for means in self.means(now).values():
+            for rank, mine in means.items():
+                if len(means) > 1 and (peers := statistics.median(m for r, m in means.items() if r != rank)):
+                    out[rank] = mine / peers
+        return out
 
     def suspects(self, now: float) -> dict[int, Straggler]:
         found: dict[int, Straggler] = {}

@@ -15,11 +15,13 @@ from typing import Any
 
 from ..core.elastic import GrowPolicy
 from ..core.errors import RankFailedError
+from ..core.metrics import MetricsMode, rank_labels
 from ..core.spec import LaunchSpec
 from .cluster import Cluster
 from .gang import RankGang, env_records
 from .grow import GrowWatch
 from .handle import RankInfo
+from .metrics import JobMetrics
 from .progress_view import ProgressView
 from .relay import OutputRelay
 from .rundir import RunDir
@@ -61,11 +63,17 @@ class Attempt:
         size_problem: Callable[[int], str | None] = lambda nodes: None,
         grow: GrowPolicy | None = None,
         growing: bool = False,
+        metrics: JobMetrics | None = None,
+        parallel_dims: Callable[[LaunchSpec], tuple[int, int, int] | None] = lambda spec: None,
     ):
         """`lost_nodes`: the launch's nodes found lost so far, not placed on again (unless they answer
         again); this attempt adds those it finds. `grow`: with --nodes MIN:MAX, when an attempt below
-        MAX ends to relaunch on more nodes (driver/grow.py); `growing`: this attempt is such a relaunch."""
+        MAX ends to relaunch on more nodes (driver/grow.py); `growing`: this attempt is such a relaunch.
+        `metrics`: the job's (driver/metrics.py), told of this attempt's ranks; `parallel_dims`: the
+        target's TP, PP and CP at this attempt's size, for the ranks' labels."""
         self.spec, self.number, self.stop, self.run, self.progress = spec, number, stop, run, progress
+        self.metrics = metrics if metrics is not None else JobMetrics(spec.job_name, MetricsMode.OFF)
+        self.parallel_dims = parallel_dims
         self.asked = spec.node_range  # the spec becomes this attempt's own once placed (--nodes MIN:MAX)
         self.size_problem, self.grow_policy = size_problem, grow
         self.grow: GrowWatch | None = None  # once placed below MAX nodes
@@ -110,14 +118,23 @@ class Attempt:
             self.spec.console_ranks,
             self.progress,
             started=gang.pool_sink,
-            stragglers=StragglerWatch(self.run.path, [f"{s.node_ip} ({s.hostname})" for s in gang.slots]),
+            stragglers=StragglerWatch(
+                self.run.path,
+                [f"{s.node_ip} ({s.hostname})" for s in gang.slots],
+                on_scores=self.metrics.scores,
+            ),
         )
 
     def start(self) -> None:
         """Every rank's actor, port and env, recorded in the run directory; then the program starts."""
         spec, gang = self.spec, self.gang
+        where = [(s.node_id, s.node_ip) for s in gang.slots]
+        labels = rank_labels(spec.job_name, spec.metrics, where, self.parallel_dims(spec), spec.peak_tflops)
+        self.metrics.attempt(spec.world_size, spec.nodes, labels)
+        self.progress.world_size = spec.world_size  # TFLOP/s per GPU of this attempt's GPUs
         try:
-            outputs = self.relay.forward_from({s.node_id for s in gang.slots})
+            on = spec.metrics is not MetricsMode.OFF
+            outputs = self.relay.forward_from({s.node_id for s in gang.slots}, labels if on else None)
             envs = gang.start(self.relay.sink, outputs)
         except RankFailedError as e:  # a node lost while the ranks started
             self.failure = e
@@ -161,6 +178,7 @@ class Attempt:
         """Every turn of the supervision: the nodes still answer, the next attempt's spares tended, and
         below MAX nodes, whether to grow (raises GrowTo)."""
         self.gang.check_nodes()
+        self.metrics.progress(self.progress.stats)
         self._tend_spares()
         if self.grow is not None:
             self.grow.check(self.relay.last_checkpoint_at)

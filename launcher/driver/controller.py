@@ -15,13 +15,11 @@ import logging
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
-from enum import StrEnum
 from typing import Any, Protocol
 
 from ..core.elastic import GrowTo
 from ..core.errors import RankFailedError
-from ..core.outcome import LaunchState, run_outcome
+from ..core.outcome import LaunchObserver, LaunchState, Restart, RestartKind, run_outcome
 from ..core.policy import FailureDecision, FailurePolicy
 from .sources import RELAUNCH_SETTLE_S
 
@@ -49,25 +47,6 @@ class AttemptLike(Protocol):
     def teardown(self) -> None: ...
 
 
-class RestartKind(StrEnum):
-    FAILURE = "failure"  # a rank failed: counted against --max-restarts
-    GROW = "grow"  # --nodes MIN:MAX, below MAX: relaunched on more nodes (not counted)
-
-
-@dataclass
-class Restart:
-    """A relaunch, as summary.json's `restarts` lists it."""
-
-    attempt: int
-    cause: str
-    at: float
-    warm_spares: bool | None = None  # whether the relaunch took over the failed attempt's spares
-    kind: RestartKind = RestartKind.FAILURE
-
-    def record(self) -> dict[str, Any]:
-        return asdict(self)
-
-
 class Controller:
     """Runs attempts until one succeeds or the failure policy says fail; `state` is where the launch
     stands, `history` every state it went through, with when (wall clock)."""
@@ -79,10 +58,10 @@ class Controller:
         *,
         placement_timeout_s: float = 0.0,
         min_nodes: int | None = None,
-        on_state: Callable[[LaunchState], None] = lambda state: None,
+        observers: tuple[LaunchObserver, ...] = (),
         clock: Callable[[], float] = time.time,
     ):
-        self.policy, self.new_attempt, self.on_state, self.clock = policy, new_attempt, on_state, clock
+        self.policy, self.new_attempt, self.observers, self.clock = policy, new_attempt, observers, clock
         self.placement_timeout_s = placement_timeout_s
         self.min_nodes = min_nodes  # --nodes MIN:MAX: a relaunch goes on with fewer nodes, down to this
         self.state = LaunchState.PLACING
@@ -129,7 +108,8 @@ class Controller:
             log.debug("launch: %s -> %s", self.state, state)
             self.state = state
             self.history.append((state, self.clock()))
-            self.on_state(state)
+            for observer in self.observers:
+                observer.on_state(state)
 
     # -- one method per state, each returning the next ---------------------------------------------
     def _place(self) -> LaunchState:
@@ -156,6 +136,8 @@ class Controller:
         """A rank failed in any state of the attempt: the policy says what follows. A restart takes the
         spares over before the teardown; the teardown adds the dead ranks' last output to `failure`."""
         self._failure = failure
+        for observer in self.observers:
+            observer.on_failure(failure)
         decision = self.policy.decide(failure, self.failed)
         if decision is FailureDecision.RESTART:
             self.failed += 1
@@ -166,7 +148,7 @@ class Controller:
             return LaunchState.FAILED
         failure.ending = RELAUNCHED
         print(failure.report(), file=sys.stderr, flush=True)
-        self.restarts.append(Restart(self.number + 1, str(failure), self.clock()))
+        self._restarted(Restart(self.number + 1, str(failure), self.clock()))
         how = f"waiting up to {self.placement_timeout_s:g}s for the layout to fit"
         if self.min_nodes is not None:
             how = f"on the nodes that hold a group within {RELAUNCH_SETTLE_S:g}s, at least {self.min_nodes}"
@@ -180,11 +162,16 @@ class Controller:
     def _grow(self, grow: GrowTo) -> LaunchState:
         """Running below MAX nodes, the cluster has room for more: every rank is stopped and relaunched
         on them (not a failure: --max-restarts does not count it)."""
-        self.restarts.append(Restart(self.number + 1, grow.why, self.clock(), kind=RestartKind.GROW))
+        self._restarted(Restart(self.number + 1, grow.why, self.clock(), kind=RestartKind.GROW))
         log.warning("%s; relaunching every rank on up to %d node(s)", grow.why, grow.nodes)
         self._growing = True
         self._close()
         return LaunchState.RESTARTING
+
+    def _restarted(self, restart: Restart) -> None:
+        self.restarts.append(restart)
+        for observer in self.observers:
+            observer.on_restart(restart)
 
     def _restart(self) -> LaunchState:
         self.number += 1

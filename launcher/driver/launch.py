@@ -20,6 +20,7 @@ from ..core.target import check_target_locally
 from .attempt import Attempt, LaunchResult
 from .cluster import connect
 from .controller import Controller
+from .metrics import JobMetrics
 from .progress_view import ProgressView
 from .rundir import RunDir, runs_root
 from .spares import SparePool
@@ -73,23 +74,24 @@ def _launch(spec: LaunchSpec, exits_after: bool) -> LaunchResult:
             first_target = runner.first_target(spec, plan)
             lost_nodes: set[str] = set()  # found by any attempt, avoided by the next
             grow = GrowPolicy(runner.grows_at_checkpoint, spec.grow_after_s)  # with --nodes MIN:MAX
+            metrics = JobMetrics(spec.job_name, spec.metrics)  # once connected: Ray exports them
 
             def new_attempt(k: int, spares: SparePool | None, growing: bool) -> Attempt:
                 target = first_target if k == 0 else runner.resume_target(first_target, plan)
                 return Attempt(
                     replace(spec, target=target), k, cluster, profile, stop, run, progress, spares,
                     lost_nodes, size_problem=lambda nodes: runner.size_problem(spec, plan, nodes), grow=grow,
-                    growing=growing,
+                    growing=growing, metrics=metrics, parallel_dims=lambda s: runner.parallel_dims(s, plan),
                 )  # fmt: skip
 
             controller = Controller(
                 FailurePolicy(spec.max_restarts), new_attempt, placement_timeout_s=spec.placement_timeout_s,
-                min_nodes=spec.min_nodes,
-                on_state=progress.on_state,
+                min_nodes=spec.min_nodes, observers=(progress, metrics),
             )  # fmt: skip
             try:
                 return controller.run()
             finally:
+                metrics.close()
                 from .pool import refill
 
                 refill()

@@ -13,7 +13,7 @@ import sys
 import time
 from typing import Any
 
-from ..core.outcome import LaunchState
+from ..core.outcome import LaunchObserver, LaunchState
 from ..core.progress import TrainingFacts
 
 log = logging.getLogger("megaray")
@@ -33,7 +33,7 @@ def _si(x: float) -> str:
     return f"{x:.0f}"
 
 
-class ProgressView:
+class ProgressView(LaunchObserver):
     """Turns progress records into a bar on a terminal, or a plain line every few seconds."""
 
     PLAIN_EVERY_S = 5.0
@@ -59,6 +59,9 @@ class ProgressView:
             self.last = None
 
     def update(self, record: dict[str, Any]) -> None:
+        """A rank's progress; the same iteration again (another rank's report of it) changes nothing."""
+        if self.last is not None and record["iteration"] <= self.last["iteration"]:
+            return
         previous, self.last = self.last, record
         if self.first_at is None:
             self.first_at = record["time"]
@@ -71,14 +74,22 @@ class ProgressView:
         if tokens is None and self.facts.seq_length:
             batch = record.get("global_batch") or self.facts.global_batch
             tokens = batch * self.facts.seq_length if batch else None
-        s: dict[str, Any] = {"iteration": it, "total": total, "loss": record.get("loss")}
+        s: dict[str, Any] = {
+            "iteration": it,
+            "total": total,
+            "loss": record.get("loss"),
+            "at": record["time"],
+        }
         if iter_s:
             s["iter_s"] = iter_s
+            flops = record.get("flops")  # one iteration's, every rank together (report(flops=...))
             if tokens:
                 s["tokens_per_s"] = tokens / iter_s
-                if self.facts.flops_per_token:
-                    tflops = self.facts.flops_per_token * s["tokens_per_s"] / self.world_size / 1e12
-                    s["tflops_per_gpu"], s["mfu"] = tflops, tflops / self.peak
+                if self.facts.flops_per_token and not flops:
+                    flops = self.facts.flops_per_token * tokens
+            if flops:
+                tflops = flops / iter_s / self.world_size / 1e12
+                s["tflops_per_gpu"], s["mfu"] = tflops, tflops / self.peak
             if total:
                 s["eta_s"] = max(0, total - it) * iter_s
         self.stats = s

@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 
+from ..core.metrics import RankLabels
 from ..core.outbatch import OutputBatch, merged
 from ..core.progress import parse_checkpoint_line, parse_megatron_line
 from ..core.spec import RAY_NAMESPACE
@@ -185,12 +186,18 @@ def _forwarder_class() -> Any:
     return ray.remote(concurrency_groups={CONTROL: CONTROL_SLOTS})(NodeForwarder)
 
 
-def start_forwarders(sink: Any, node_ids: list[str], console: frozenset[int]) -> dict[str, Any]:
+def start_forwarders(
+    sink: Any, node_ids: list[str], console: frozenset[int], metrics: dict[str, RankLabels] | None = None
+) -> dict[str, Any]:
     """One forwarder on each node (rank/forwarder.py), reserving nothing: the handles are ready at
-    once, and the ranks' calls wait in Ray until the forwarder's process is up."""
+    once, and the ranks' calls wait in Ray until the forwarder's process is up. `metrics`: each
+    node's ranks' labels, by node id (None: no metrics)."""
     cls = _forwarder_class()
+    metrics = metrics or {}
     return {
-        node: cls.options(max_restarts=0, **on_node(node)).remote(sink, console, len(node_ids))
+        node: cls.options(max_restarts=0, **on_node(node)).remote(
+            sink, console, len(node_ids), metrics.get(node)
+        )
         for node in node_ids
     }
 
@@ -229,11 +236,13 @@ class OutputRelay:
         self.progress_seen = False
         self.last_checkpoint_at: float | None = None  # when a rank last said a checkpoint was saved
 
-    def forward_from(self, node_ids: set[str]) -> dict[str, Any]:
+    def forward_from(
+        self, node_ids: set[str], metrics: dict[str, RankLabels] | None = None
+    ) -> dict[str, Any]:
         """The forwarder each node's ranks send to (one attempt's nodes), started now: before the
-        ranks, so that their starts overlap."""
+        ranks, so that their starts overlap; each records its ranks' metrics with `metrics[node]`."""
         if self.sink is not None and not self.forwarders:
-            self.forwarders = start_forwarders(self.sink, sorted(node_ids), self.console)
+            self.forwarders = start_forwarders(self.sink, sorted(node_ids), self.console, metrics)
         return self.forwarders
 
     def _tell_forwarders(self, method: str, timeout_s: float) -> None:

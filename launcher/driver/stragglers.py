@@ -28,7 +28,12 @@ def _clock(at: float) -> str:
 class StragglerWatch:
     """Feeds the detectors and says what they decide; `where[rank]` names the rank's node."""
 
-    def __init__(self, run_dir: Path, where: list[str], clock: Callable[[], float] = time.time):
+    def __init__(
+        self, run_dir: Path, where: list[str], clock: Callable[[], float] = time.time,
+        on_scores: Callable[[dict[int, float]], None] = lambda scores: None,
+    ):  # fmt: skip
+        """`on_scores` is given every rank's straggler score at each look (the job's metrics)."""
+        self.on_scores = on_scores
         self.path = run_dir / "stragglers.json"
         self.where = where
         self.clock = clock
@@ -50,6 +55,9 @@ class StragglerWatch:
             return
         self.next_look = now + LOOK_EVERY_S
         changes = [detector.look(now) for detector in self.detectors.values()]
+        self.on_scores(
+            {r: v for detector in self.detectors.values() for r, v in detector.scores(now).items()}
+        )
         for s in (s for change in changes for s in change.named):
             where = self.where[s.rank]
             log.warning("rank %d on %s is slow: %s, since %s", s.rank, where, s.describe(), _clock(s.since))

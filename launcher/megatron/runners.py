@@ -54,6 +54,14 @@ class DryRunRunner(TargetRunner):
         tp, pp, global_batch = dry_run_shape(spec)
         return layout_problem(nodes * spec.gpus_per_node, tp, pp, global_batch)
 
+    def parallel_dims(self, spec: LaunchSpec, plan: Any) -> tuple[int, int, int] | None:
+        """As the tiny trainer chooses them (megatron/tiny_gpt.py), unless given (`--dry-run tp=..`)."""
+        from .tiny_gpt import choose_layout
+
+        given = parse_dry_run_options(spec.target.args)
+        tp, pp, _ = choose_layout(spec.world_size, spec.gpus_per_node)
+        return given.get("tp", tp), given.get("pp", pp), 1
+
     def main(self, target: Target, cwd: str) -> Any:
         from .dryrun import check_and_train
 
@@ -106,6 +114,9 @@ class MegatronRunner(TargetRunner):
         from ..core.layout import layout_problems
 
         return "; ".join(layout_problems(plan.layout, nodes, spec.gpus_per_node)) or None
+
+    def parallel_dims(self, spec: LaunchSpec, plan: Any) -> tuple[int, int, int] | None:
+        return (plan.layout.tp, plan.layout.pp, plan.layout.cp) if plan is not None else None
 
 
 RUNNERS: dict[TargetKind, TargetRunner] = {

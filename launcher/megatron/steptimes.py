@@ -26,7 +26,7 @@ from typing import Any
 
 from ..core.straggler import StepSample
 from ..rank.capture import current_sink
-from ..rank.waits import send_every
+from ..rank.waits import gpu_memory, send_every
 
 MAX_PENDING = 256  # forward steps queued on the device and not yet timed; older ones are not timed
 
@@ -100,6 +100,7 @@ class StepTimer:
             initialized = parallel_state.model_parallel_is_initialized()
             self.stage = parallel_state.get_pipeline_model_parallel_rank() if initialized else 0
         with contextlib.suppress(Exception):  # the sink is gone with the driver: training goes on
-            self.sink.sample.remote(StepSample(self.rank, 0.0, self.stage, self.steps, self.seconds))
+            memory = gpu_memory() if self.cuda else None
+            self.sink.sample.remote(StepSample(self.rank, 0.0, self.stage, self.steps, self.seconds, memory))
         self.steps, self.seconds = 0, 0.0
         self.next_send = self.clock() + self.every

@@ -129,17 +129,24 @@ def flush_streams() -> None:
             stream.flush()
 
 
-def report(iteration: int, total: int | None = None, loss: float | None = None, tokens: int | None = None):
-    """Tell the driver how training goes, from a rank (usually the one that has the loss).
+def report(
+    iteration: int, total: int | None = None, loss: float | None = None, tokens: int | None = None,
+    lr: float | None = None, flops: float | None = None,
+) -> None:  # fmt: skip
+    """Tell the driver how training goes, from a rank (one rank for the console; every rank for a
+    step time per rank in the metrics, core/metrics.py).
 
-    `tokens` is what one iteration processes across all ranks (global batch x sequence length).
-    Outside a megaray launch this does nothing, so programs can call it unconditionally.
+    `tokens` and `flops` are what one iteration processes across all ranks (global batch x sequence
+    length; the model's FLOPs for it, as Lightning's `flops_per_batch`: with them, TFLOP/s and MFU);
+    `lr` is the learning rate. Outside a megaray launch this does nothing, so programs can call it
+    unconditionally.
     """
     sink = current_sink()
     if sink is None:
         return  # not a megaray rank (torchrun, or a plain process)
     record = {"iteration": int(iteration), "time": time.time()}
-    for key, value in (("total", total), ("loss", loss), ("tokens", tokens)):
+    values = (("total", total), ("loss", loss), ("tokens", tokens), ("lr", lr), ("flops", flops))
+    for key, value in values:
         if value is not None:
             record[key] = value
     sink.report.remote(int(os.environ.get("RANK", "0")), record)

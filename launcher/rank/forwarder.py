@@ -19,8 +19,10 @@ from typing import Any
 
 import ray
 
+from ..core.metrics import KEEP_EVERY_S, RankLabels
 from ..core.outbatch import MIN_EVERY_S, Held, batch_bytes, send_every
 from ..core.straggler import Sample
+from .metrics import RankMetrics
 
 log = logging.getLogger("megaray")
 
@@ -32,8 +34,10 @@ MAX_HELD_BYTES = 16 << 20  # what one node holds for the sink before its ranks' 
 class NodeForwarder:
     """The node's ranks' calls, gathered (rank/capture.py knows it as its sink: same methods)."""
 
-    def __init__(self, sink: Any, console: frozenset[int], nodes: int):
+    def __init__(self, sink: Any, console: frozenset[int], nodes: int, metrics: RankLabels | None = None):
+        """`metrics`: the node's ranks' labels, to record their metrics by (None: --metrics off)."""
         self.sink = sink
+        self.metrics = RankMetrics(metrics) if metrics is not None else None
         self.held = Held(console=console)
         self.budget, self.every = batch_bytes(nodes), send_every(nodes)
         self.added = 0  # calls that brought something to send
@@ -45,6 +49,7 @@ class NodeForwarder:
         self._room = asyncio.Event()  # what was held went out: a waiting write may add
         self._stop = asyncio.Event()  # the control group's: the driver stops the ranks
         self._sender: asyncio.Task | None = None
+        self._keeper: asyncio.Task | None = None  # sets the metrics' values again (rank/metrics.py)
 
     def _wake_sender(self, urgent: bool = False) -> None:
         """The sender runs in the default group's event loop, where output is handled: started there,
@@ -66,15 +71,32 @@ class NodeForwarder:
         self._wake_sender(urgent=rank in self.held.console)
 
     async def report(self, rank: int, record: dict[str, Any]) -> None:
+        if self.metrics is not None:
+            self.metrics.report(rank, record)
+            self._keep_metrics()
         self.held.reports.append((rank, record))
         self.added += 1
         self._wake_sender(urgent=True)
 
     async def sample(self, sample: Sample) -> None:
         """A rank's straggler sample (rank/waits.py, megatron/steptimes.py)."""
+        if self.metrics is not None:
+            self.metrics.sample(sample)
+            self._keep_metrics()
         self.held.samples.append(sample)
         self.added += 1
         self._wake_sender()
+
+    def _keep_metrics(self) -> None:
+        """From the first value on, every KEEP_EVERY_S: a rank that stops reporting keeps its last
+        values (its last progress above all), for as long as the attempt runs."""
+        if self._keeper is None:
+            self._keeper = asyncio.get_running_loop().create_task(self._keep())
+
+    async def _keep(self) -> None:
+        while True:
+            await asyncio.sleep(KEEP_EVERY_S)
+            self.metrics.keep()
 
     async def flush(self) -> None:
         """Returns once what was held at the call has reached the sink (or the sink is gone): not
@@ -120,7 +142,8 @@ class NodeForwarder:
         self._stop.set()
 
     async def close(self) -> None:
-        if self._sender is not None:
-            self._sender.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._sender
+        for task in (self._sender, self._keeper):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task

@@ -37,6 +37,19 @@ def in_collective(frame: Any) -> bool:
     return False
 
 
+def gpu_memory() -> tuple[int, int] | None:
+    """torch's GPU memory allocated and reserved on this rank's (first visible) device, where the
+    program has initialised CUDA; counters torch keeps, read without a synchronisation. torch is not
+    imported here for a program that did not."""
+    torch = sys.modules.get("torch")
+    try:
+        if torch is None or not torch.cuda.is_initialized():
+            return None
+        return int(torch.cuda.memory_allocated()), int(torch.cuda.memory_reserved())
+    except Exception:  # a broken CUDA context is the program's to report, not this thread's
+        return None
+
+
 def send_every(world_size: int) -> float:
     return max(SEND_EVERY_S, world_size / 400)
 
@@ -66,7 +79,7 @@ class WaitSampler:
             del frame
             if time.monotonic() >= next_send:
                 try:
-                    self.sink.sample.remote(WaitSample(self.rank, 0.0, samples, waiting))
+                    self.sink.sample.remote(WaitSample(self.rank, 0.0, samples, waiting, gpu_memory()))
                 except Exception:  # the sink is gone with the driver
                     return
                 samples = waiting = 0
