@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -54,47 +55,70 @@ def test_the_dashboard_is_grafana_json_with_rays_datasource_convention():
     assert all(t["expr"].count("ray_megaray_") for p in panels for t in p["targets"])
 
 
-def test_a_real_prometheus_holds_every_ranks_metrics_and_the_job_state_and_every_dashboard_query_has_data(
-    tmp_path,
-):
+@pytest.fixture(scope="module")
+def scraped(tmp_path_factory):
+    """A two-node `ray start` cluster, and a Prometheus scraping the targets Ray lists for it."""
     cluster = start_cluster(num_cpus=2)
     prom = None
-    driver = None
     try:
         cluster.add_worker(num_cpus=2)
         sd_file = cluster.tmp / "session_latest" / "prom_metrics_service_discovery.json"
-        prom = prometheus.Prometheus(sd_file, tmp_path)
-        stop = tmp_path / "stop"
-        env = {k: v for k, v in cluster.env.items() if k != "RAY_AUTH_MODE"}
-        cmd = [
-            sys.executable, "main.py", "--address", cluster.gcs, "--device", "cpu", "--nodes", "2",
-            "--gpus-per-node", "2", "--job-name", JOB, "--max-restarts", "1",
-            "--runs-dir", str(tmp_path / "runs"), "tests/fixtures/metrics_job.py", str(stop),
-        ]  # fmt: skip
-        log = tmp_path / "driver.log"
-        driver = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT)
+        prom = prometheus.Prometheus(sd_file, tmp_path_factory.mktemp("prometheus"))
+        yield cluster, prom
+    finally:
+        if prom is not None:
+            prom.stop()
+        cluster.stop()
 
+
+def start_job(cluster, tmp_path: Path, job: str, *args: str) -> tuple[subprocess.Popen, Path]:
+    env = {k: v for k, v in cluster.env.items() if k != "RAY_AUTH_MODE"}
+    cmd = [
+        sys.executable, "main.py", "--address", cluster.gcs, "--device", "cpu", "--nodes", "2",
+        "--gpus-per-node", "2", "--job-name", job, "--runs-dir", str(tmp_path / "runs"), *args,
+    ]  # fmt: skip
+    log = tmp_path / "driver.log"
+    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT), log
+
+
+def wait_for(prom, driver: subprocess.Popen, log: Path, missing_now, within_s: float = 120) -> None:
+    """Until `missing_now()` finds nothing missing (the job still running)."""
+    missing: list[str] = ["(not looked yet)"]
+    deadline = time.monotonic() + within_s
+    while missing and time.monotonic() < deadline and driver.poll() is None:
+        time.sleep(2)
+        missing = missing_now()
+    have = sorted({r["metric"]["__name__"] for r in prom.query('{__name__=~"ray_megaray_.+"}')})
+    assert not missing, f"no data for {missing}; series there: {have}\n" + log.read_text()[-3000:]
+
+
+def ranks_of(prom, query: str) -> set[str | None]:
+    return {r["metric"].get("rank") for r in prom.query(query)}
+
+
+def test_a_real_prometheus_holds_every_ranks_metrics_and_the_job_state_and_every_dashboard_query_has_data(
+    scraped, tmp_path
+):
+    cluster, prom = scraped
+    stop = tmp_path / "stop"
+    driver, log = start_job(
+        cluster, tmp_path, JOB, "--max-restarts", "1", "tests/fixtures/metrics_job.py", str(stop)
+    )
+    try:
         queries = {k: as_promql(v) for k, v in dashboard_queries().items() if CUDA_ONLY not in v}
         per_rank = [
             f'ray_megaray_rank_{m}{{megaray_job="{JOB}"}}'
             for m in ("step_seconds", "tokens_per_second", "loss")
         ]
         running = f'ray_megaray_job_state{{megaray_job="{JOB}",state="running"}} == 1'
-        missing: list[str] = ["(not looked yet)"]
-        deadline = time.monotonic() + 120
-        while missing and time.monotonic() < deadline and driver.poll() is None:
-            time.sleep(2)
-            # every rank of the relaunch, by its rank label, on the node it ran on
-            missing = [
-                q
-                for q in per_rank
-                if {r["metric"].get("rank") for r in prom.query(q)} != {"0", "1", "2", "3"}
-            ]
-            missing += [] if prom.query(running) else [running]
-            missing += [f"{k}: {q}" for k, q in queries.items() if not prom.query(q)]
-        have = sorted({r["metric"]["__name__"] for r in prom.query('{__name__=~"ray_megaray_.+"}')})
-        assert not missing, f"no data for {missing}; series there: {have}\n" + log.read_text()[-3000:]
 
+        def missing_now() -> list[str]:
+            # every rank of the relaunch, by its rank label
+            out = [q for q in per_rank if ranks_of(prom, q) != {"0", "1", "2", "3"}]
+            out += [] if prom.query(running) else [running]
+            return out + [f"{k}: {q}" for k, q in queries.items() if not prom.query(q)]
+
+        wait_for(prom, driver, log, missing_now)
         # the first attempt's rank 3 exited with 3: one failure of kind `exit`, one relaunch
         failures = prom.query(f'ray_megaray_job_failures_total{{megaray_job="{JOB}"}}')
         assert [(r["metric"]["kind"], r["value"][1]) for r in failures] == [("exit", "1")]
@@ -104,17 +128,62 @@ def test_a_real_prometheus_holds_every_ranks_metrics_and_the_job_state_and_every
         assert [r["value"][1] for r in world] == ["4"]
         steps = prom.query(per_rank[0])
         assert all(0.15 < float(r["value"][1]) < 2.0 for r in steps), steps  # it reports every 0.2 s
-        assert {r["metric"]["node"] for r in steps} <= {
-            "127.0.0.1",
-            *(r["metric"]["NodeAddress"] for r in steps),
-        }
-
         stop.write_text("")
         assert driver.wait(120) == 0, log.read_text()[-3000:]
         assert cluster.alive(JOB) == ([], [])
     finally:
-        if driver is not None and driver.poll() is None:
+        if driver.poll() is None:
             driver.kill()
-        if prom is not None:
-            prom.stop()
-        cluster.stop()
+
+
+def test_the_megatron_dry_run_exports_each_ranks_forward_step_with_its_tp_pp_dp_and_per_node_on_request(
+    scraped, tmp_path
+):
+    """The tiny Megatron trainer (TP 2 x PP 2 on 4 ranks): megaray times every rank's forward step;
+    the job's loss comes from Megatron's own iteration line. Then `--metrics node`: one series a node."""
+    cluster, prom = scraped
+    job = "mx-dry"
+    driver, log = start_job(cluster, tmp_path, job, "--dry-run", "steps=100000")
+    try:
+        step = f'ray_megaray_rank_step_seconds{{megaray_job="{job}"}}'
+        loss = f'ray_megaray_job_loss{{megaray_job="{job}"}}'
+        wait_for(
+            prom,
+            driver,
+            log,
+            lambda: (
+                [q for q in (step, loss) if not prom.query(q)]
+                + ([] if ranks_of(prom, step) == {"0", "1", "2", "3"} else ["every rank's step"])
+            ),
+        )
+        coords = {
+            r["metric"]["rank"]: (r["metric"]["tp"], r["metric"]["pp"], r["metric"]["dp"])
+            for r in prom.query(step)
+        }
+        assert coords == {
+            "0": ("0", "0", "0"),
+            "1": ("1", "0", "0"),
+            "2": ("0", "1", "0"),
+            "3": ("1", "1", "0"),
+        }
+        driver.send_signal(signal.SIGINT)  # Ctrl-C
+        assert driver.wait(60) == 130, log.read_text()[-3000:]
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    assert cluster.alive(job) == ([], [])
+
+    job = "mx-node"
+    driver, log = start_job(cluster, tmp_path, job, "--metrics", "node", "--dry-run", "steps=100000")
+    try:
+        step = f'ray_megaray_rank_step_seconds{{megaray_job="{job}"}}'
+        wait_for(prom, driver, log, lambda: [] if prom.query(step) else [step])
+        time.sleep(3)  # both nodes' forwarders
+        series = prom.query(step)
+        assert [r["metric"].get("rank") for r in series] == [None] * len(series)  # no rank label
+        assert 1 <= len(series) <= 2  # one a node (both nodes of this cluster have one address)
+        driver.send_signal(signal.SIGINT)
+        assert driver.wait(60) == 130, log.read_text()[-3000:]
+    finally:
+        if driver.poll() is None:
+            driver.kill()
