@@ -11,23 +11,39 @@ from launcher.core.straggler import StepSample, WaitSample
 from launcher.driver.metrics import JobMetrics
 
 
-def test_a_ranks_step_time_tokens_and_mfu_come_from_the_time_between_two_reports():
+def test_a_ranks_step_time_tokens_and_mfu_come_from_its_reports_since_the_last_export():
     track = RankTrack(world_size=4, peak_tflops=1000.0)
-    first = track.report({"iteration": 10, "time": 100.0, "loss": 2.5, "lr": 1e-4})
-    assert first == {m.ITERATION: 10.0, m.LAST_PROGRESS: 100.0, m.LOSS: 2.5, m.LEARNING_RATE: 1e-4}
-    later = track.report({"iteration": 14, "time": 102.0, "tokens": 8000, "flops": 4e15})
-    assert later[m.STEP_SECONDS] == 0.5  # 2 s over 4 iterations
-    assert later[m.TOKENS_PER_S] == 8000 / 4 / 0.5  # this rank's share of the world's tokens
-    assert later[m.TFLOPS] == pytest.approx(4e15 / 4 / 0.5 / 1e12)
-    assert later[m.MFU] == pytest.approx(2.0)  # 2000 TFLOP/s against a peak of 1000
-    # the same iteration again, or a clock that went back, gives no step time
-    assert m.STEP_SECONDS not in track.report({"iteration": 14, "time": 103.0})
+    track.report({"iteration": 10, "time": 100.0, "loss": 2.5, "lr": 1e-4})
+    assert track.window() == {m.ITERATION: 10.0, m.LAST_PROGRESS: 100.0, m.LOSS: 2.5, m.LEARNING_RATE: 1e-4}
+    for it in range(11, 15):  # four more iterations, 0.5 s each, before the next export
+        track.report({"iteration": it, "time": 100.0 + 0.5 * (it - 10), "tokens": 8000, "flops": 4e15})
+    figures = track.window()
+    assert figures[m.STEP_SECONDS] == 0.5 and figures[m.ITERATION] == 14.0
+    assert figures[m.TOKENS_PER_S] == 8000 / 4 / 0.5  # this rank's share of the world's tokens
+    assert figures[m.TFLOPS] == pytest.approx(4e15 / 4 / 0.5 / 1e12)
+    assert figures[m.MFU] == pytest.approx(2.0)  # 2000 TFLOP/s against a peak of 1000
+    # nothing new: the figures stay (a hung rank keeps its last progress); a slower window changes them
+    assert track.window()[m.STEP_SECONDS] == 0.5
+    track.report({"iteration": 15, "time": 104.0})
+    assert track.window()[m.STEP_SECONDS] == 2.0
+    # a relaunch resumes from a checkpoint at a lower iteration: timed from there
+    track.report({"iteration": 5, "time": 200.0})
+    track.report({"iteration": 7, "time": 201.0})
+    assert track.window()[m.STEP_SECONDS] == 0.5
 
 
-def test_samples_give_the_forward_step_time_and_gpu_memory():
-    step = RankTrack.sample(StepSample(3, 0.0, 1, steps=4, seconds=2.0, memory=(5, 8)), at=50.0)
-    assert step == {m.STEP_SECONDS: 0.5, m.LAST_PROGRESS: 50.0, m.GPU_ALLOCATED: 5.0, m.GPU_RESERVED: 8.0}
-    assert RankTrack.sample(WaitSample(3, 0.0, 25, 10), at=50.0) == {}  # looks at a stack are not progress
+def test_timed_forward_steps_give_the_step_time_and_samples_gpu_memory():
+    track = RankTrack(world_size=4, peak_tflops=1000.0)
+    track.sample(WaitSample(3, 0.0, 25, 10), at=40.0)
+    assert track.window() == {}  # looks at a stack are not progress
+    track.sample(StepSample(3, 0.0, 1, steps=4, seconds=2.0, memory=(5, 8)), at=50.0)
+    track.sample(StepSample(3, 0.0, 1, steps=4, seconds=6.0), at=52.0)
+    assert track.window() == {
+        m.STEP_SECONDS: 1.0,
+        m.LAST_PROGRESS: 52.0,
+        m.GPU_ALLOCATED: 5.0,
+        m.GPU_RESERVED: 8.0,
+    }
 
 
 def test_a_node_is_as_slow_as_its_slowest_rank_and_its_tokens_are_its_ranks_sum():

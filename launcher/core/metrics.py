@@ -155,43 +155,60 @@ def coordinates(rank: int, world_size: int, tp: int, pp: int, cp: int = 1) -> di
 
 
 class RankTrack:
-    """The values one rank's reports and samples give (its step time from the time between two
-    reports); `world_size` shares tokens and FLOPs out per rank, `peak_tflops` is MFU's denominator."""
+    """One rank's figures, as each export takes them (`window()`, every KEEP_EVERY_S): the last
+    report's iteration, loss and learning rate; the step time over the reports (or the Megatron
+    target's timed steps) since the previous export, so a report costs a few assignments however
+    often a rank sends one. `world_size` shares tokens and FLOPs out per rank, `peak_tflops` is MFU's
+    denominator."""
 
     def __init__(self, world_size: int, peak_tflops: float):
         self.world_size, self.peak = max(world_size, 1), peak_tflops
-        self.last: tuple[int, float] | None = None  # the previous report's (iteration, time)
+        self.values: dict[str, float] = {}  # the last known of each figure: what is exported
+        self.last: tuple[int, float] | None = None  # the last report's (iteration, time)
+        self.mark: tuple[int, float] | None = None  # the last report's at the previous window's end
+        self.per_iteration: dict[str, float] = {}  # tokens and FLOPs of one iteration, as reported
+        self.steps, self.seconds = 0, 0.0  # forward steps timed in this window, and their time
 
-    def report(self, record: dict[str, Any]) -> dict[str, float]:
+    def report(self, record: dict[str, Any]) -> None:
         it, at = int(record["iteration"]), float(record["time"])
-        values = {ITERATION: float(it), LAST_PROGRESS: at}
+        self.values[ITERATION], self.values[LAST_PROGRESS] = float(it), at
         for key, name in (("loss", LOSS), ("lr", LEARNING_RATE)):
             if isinstance(record.get(key), int | float):
-                values[name] = float(record[key])
-        previous, self.last = self.last, (it, at)
-        if previous is not None and it > previous[0] and at > previous[1]:
-            step = (at - previous[1]) / (it - previous[0])
-            values[STEP_SECONDS] = step
-            if record.get("tokens"):
-                values[TOKENS_PER_S] = record["tokens"] / self.world_size / step
-            if record.get("flops"):
-                tflops = record["flops"] / self.world_size / step / 1e12
-                values[TFLOPS] = tflops
-                if self.peak:
-                    values[MFU] = tflops / self.peak
-        return values
+                self.values[name] = float(record[key])
+        for key in ("tokens", "flops"):
+            if isinstance(record.get(key), int | float):
+                self.per_iteration[key] = float(record[key])
+        if self.mark is None or it < self.mark[0]:  # the first report, or a resume from a checkpoint
+            self.mark = (it, at)
+        self.last = (it, at)
 
-    @staticmethod
-    def sample(sample: Sample, at: float) -> dict[str, float]:
-        """A straggler sample (core/straggler.py) received at `at`: the forward step time of the
-        Megatron target, and GPU memory where the rank uses CUDA."""
-        values: dict[str, float] = {}
+    def sample(self, sample: Sample, at: float) -> None:
+        """A straggler sample (core/straggler.py) received at `at`: the Megatron target's timed
+        forward steps, and GPU memory where the rank uses CUDA."""
         if isinstance(sample, StepSample) and sample.steps:
-            values[STEP_SECONDS] = sample.seconds / sample.steps
-            values[LAST_PROGRESS] = at
+            self.steps += sample.steps
+            self.seconds += sample.seconds
+            self.values[LAST_PROGRESS] = at
         if sample.memory is not None:
-            values[GPU_ALLOCATED], values[GPU_RESERVED] = map(float, sample.memory)
-        return values
+            self.values[GPU_ALLOCATED], self.values[GPU_RESERVED] = map(float, sample.memory)
+
+    def window(self) -> dict[str, float]:
+        """The figures now, the step time over what arrived since the last call (kept when nothing
+        did: the rank's last step time until it steps again)."""
+        if self.steps:
+            self.values[STEP_SECONDS] = self.seconds / self.steps
+            self.steps, self.seconds = 0, 0.0
+        elif self.last is not None and self.mark is not None and self.last[0] > self.mark[0]:
+            step = (self.last[1] - self.mark[1]) / (self.last[0] - self.mark[0])
+            self.mark = self.last
+            if step > 0:
+                self.values[STEP_SECONDS] = step
+                if "tokens" in self.per_iteration:
+                    self.values[TOKENS_PER_S] = self.per_iteration["tokens"] / self.world_size / step
+                if "flops" in self.per_iteration:
+                    self.values[TFLOPS] = self.per_iteration["flops"] / self.world_size / step / 1e12
+                    self.values[MFU] = self.values[TFLOPS] / self.peak
+        return self.values
 
 
 def node_values(by_rank: dict[int, dict[str, float]]) -> dict[str, float]:

@@ -85,7 +85,10 @@ class JobMetrics(LaunchObserver):
             self.kept.keep()
 
     def close(self) -> None:
+        """The last values set (the state the launch ended in), and no more."""
         self.done.set()
+        if self.kept is not None:
+            self.kept.keep()
 
     def _set(self, name: str, value: float, **labels: str) -> None:
         if self.kept is not None:

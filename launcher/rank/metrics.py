@@ -15,10 +15,11 @@ from ..core.straggler import Sample
 
 
 class Kept:
-    """Ray gauges whose last values are set again by `keep()` (every KEEP_EVERY_S, by the owner's
-    loop): Ray's exporter drops a gauge value not set within two export intervals, and a state that
-    does not change, or a hung rank's last progress, must not vanish. Counters are Ray's own
-    (cumulative, never dropped)."""
+    """Ray gauges set from what `set()` stored, all at once by `keep()` (every KEEP_EVERY_S, by the
+    owner's loop): a value that changes a hundred times a second costs one call to Ray a second, and
+    a value that does not change is set again in time (Ray's exporter drops a gauge value not set
+    within two export intervals: a state, a hung rank's last progress, must not vanish). Counters
+    are Ray's own, incremented at once (cumulative, never dropped)."""
 
     def __init__(self, gauges: dict[str, Any], counters: dict[str, Any] | None = None):
         self.gauges, self.counters = gauges, counters or {}
@@ -26,7 +27,6 @@ class Kept:
 
     def set(self, name: str, value: float, tags: dict[str, str]) -> None:
         self.values[name, tuple(tags.items())] = value
-        self._record(name, value, tags)
 
     def inc(self, name: str, value: float, tags: dict[str, str]) -> None:
         if value > 0:
@@ -35,11 +35,8 @@ class Kept:
 
     def keep(self) -> None:
         for (name, tags), value in list(self.values.items()):
-            self._record(name, value, dict(tags))
-
-    def _record(self, name: str, value: float, tags: dict[str, str]) -> None:
-        with contextlib.suppress(Exception):
-            self.gauges[name].set(value, tags=tags)
+            with contextlib.suppress(Exception):
+                self.gauges[name].set(value, tags=dict(tags))
 
 
 def ray_metrics(
@@ -56,32 +53,29 @@ def ray_metrics(
 
 
 class RankMetrics:
-    """The node's ranks' gauges; one value set per metric a report or sample brings."""
+    """The node's ranks' figures (core/metrics.py `RankTrack`), taken and set in Ray's gauges by
+    `keep()`; a report or sample only updates its rank's track."""
 
     def __init__(self, labels: RankLabels, clock: Callable[[], float] = time.time):
         self.labels, self.clock = labels, clock
         self.kept = ray_metrics((m.name, m.description, RANK_LABELS) for m in RANK_METRICS.values())
         self.tracks = {rank: RankTrack(labels.world_size, labels.peak_tflops) for rank in labels.ranks}
-        self.values: dict[int, dict[str, float]] = {}  # each rank's last, for --metrics node
 
     def report(self, rank: int, record: dict[str, Any]) -> None:
         if rank in self.tracks:
-            self._set(rank, self.tracks[rank].report(record))
+            self.tracks[rank].report(record)
 
     def sample(self, sample: Sample) -> None:
         if sample.rank in self.tracks:
-            self._set(sample.rank, RankTrack.sample(sample, self.clock()))
+            self.tracks[sample.rank].sample(sample, self.clock())
 
     def keep(self) -> None:
-        self.kept.keep()
-
-    def _set(self, rank: int, values: dict[str, float]) -> None:
-        if not values:
-            return
+        figures = {rank: track.window() for rank, track in self.tracks.items()}
         if self.labels.mode is MetricsMode.NODE:
-            self.values.setdefault(rank, {}).update(values)
-            node = node_values(self.values)
-            values = {name: node[name] for name in values}
-        tags = self.labels.tags(rank)
-        for name, value in values.items():
-            self.kept.set(name, value, tags)
+            ranks = [rank for rank, values in figures.items() if values]
+            figures = {ranks[0]: node_values({r: figures[r] for r in ranks})} if ranks else {}
+        for rank, values in figures.items():
+            tags = self.labels.tags(rank)
+            for name, value in values.items():
+                self.kept.set(name, value, tags)
+        self.kept.keep()
