@@ -3,7 +3,7 @@
 - step time: 2 simulated nodes x 2 CPU ranks of a gloo program whose steps compute (a 1-thread
   matmul), all-reduce and call `report()` on every rank (each report is recorded as metrics by the
   rank's node's forwarder), run with `--metrics rank` and `--metrics off`, alternately; rank 0 prints
-  its median step time; the ratio of the medians is the cost.
+  its median step time; the ratio of the medians is the cost (the order swapped each repeat).
 - CPU: in a Ray actor, a node's recording alone (8 ranks reporting 5 times a second, and the values
   kept alive every second, with Ray's gauges) against the same actor doing nothing, each for
   `--cpu-s` seconds: its process's extra CPU seconds per second (Ray's export thread included). In
@@ -119,9 +119,9 @@ def main(argv: list[str] | None = None) -> dict:
     sys.path.insert(0, str(REPO))
     on, off = [], []
     with ray_cluster(nodes=2, cpus_per_node=2, gpus_per_node=2) as address:
-        for _ in range(args.repeats):
-            off.append(step_ms(address, work / "steps.py", args.steps, "off"))
-            on.append(step_ms(address, work / "steps.py", args.steps, "rank"))
+        for k in range(args.repeats):  # in turn, the order swapped each time: nothing gains by going first
+            for mode in ("off", "rank") if k % 2 == 0 else ("rank", "off"):
+                (off if mode == "off" else on).append(step_ms(address, work / "steps.py", args.steps, mode))
         import ray
 
         ray.init(address=address, log_to_driver=False)

@@ -118,6 +118,8 @@ class JobMetrics(LaunchObserver):
         self._set(JOB_WORLD_SIZE, world_size)
         self._set(JOB_NODES, nodes)
         self.ranks = {rank: node for node in labels.values() for rank in node.ranks}
+        if self.kept is not None:  # the last attempt's ranks and nodes: this one's are set at its first look
+            self.kept.forget(STRAGGLER_SCORE)
 
     def progress(self, stats: dict[str, Any]) -> None:
         """The progress view's figures, when they changed."""

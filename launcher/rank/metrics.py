@@ -33,6 +33,10 @@ class Kept:
             with contextlib.suppress(Exception):  # metrics never stop a launch or a rank's output
                 self.counters[name].inc(value, tags=tags)
 
+    def forget(self, name: str) -> None:
+        """`name`'s values are no longer set: Ray drops them after two export intervals."""
+        self.values = {key: value for key, value in self.values.items() if key[0] != name}
+
     def keep(self) -> None:
         for (name, tags), value in list(self.values.items()):
             with contextlib.suppress(Exception):
