@@ -129,10 +129,16 @@ def test_a_real_prometheus_holds_every_ranks_metrics_and_the_job_state_and_every
         steps = prom.query(per_rank[0])
         assert all(0.15 < float(r["value"][1]) < 2.0 for r in steps), steps  # it reports every 0.2 s
         # the state did not change since, yet stays: Ray drops a gauge value not set for two of its
-        # 10 s export intervals, megaray sets it again
+        # 10 s export intervals, megaray sets it again; and rank 2, silent since 8 s into the relaunch,
+        # keeps its last progress, so that an operator sees how long ago that was
         seen = time.monotonic()
         time.sleep(25)
         assert prom.query(running), f"the job's state went {time.monotonic() - seen:.0f} s after it was seen"
+        since = f'time() - ray_megaray_rank_last_progress_timestamp_seconds{{megaray_job="{JOB}"}}'
+        ages = {r["metric"]["rank"]: float(r["value"][1]) for r in prom.query(since)}
+        assert sorted(ages) == ["0", "1", "2", "3"] and ages["2"] > 20 > max(
+            ages["0"], ages["1"], ages["3"]
+        ), ages
         stop.write_text("")
         assert driver.wait(120) == 0, log.read_text()[-3000:]
         assert cluster.alive(JOB) == ([], [])
