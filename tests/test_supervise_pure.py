@@ -171,3 +171,33 @@ def test_a_signal_is_acted_on_once_so_the_teardown_waits_out_the_kill_grace():
         stop.receive(signal.SIGINT)  # a second Ctrl-C while stopping
     assert e.value.exit_code == 130
     stop.check()
+
+
+def test_a_ctrl_c_an_import_swallowed_is_raised_again_at_the_next_step_without_its_traceback():
+    """CI saw it: Ctrl-C landed in a weakref callback of the preflight's imports, Python printed
+    "Exception ignored" and the launch went on. Here a `__del__` takes the signal the same way."""
+    import subprocess
+    import sys
+
+    code = """
+import os, signal, sys
+from launcher.driver.stop import EarlyInterrupt
+
+class Dies:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(10000):
+            pass  # Python's handler runs here, inside __del__: the KeyboardInterrupt is printed and dropped
+
+with EarlyInterrupt().installed() as early:
+    try:
+        Dies()
+        print("went on")
+        early.check()
+    except KeyboardInterrupt:
+        print("interrupted")
+        sys.exit(130)
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (p.returncode, p.stdout.split()) == (130, ["went", "on", "interrupted"]), p.stderr
+    assert p.stderr == ""

@@ -24,7 +24,7 @@ from .metrics import JobMetrics
 from .progress_view import ProgressView
 from .rundir import RunDir, runs_root
 from .spares import SparePool
-from .stop import StopSignal
+from .stop import EarlyInterrupt, StopSignal
 from .targets import runner_for
 
 log = logging.getLogger("megaray")
@@ -40,7 +40,8 @@ def launch(spec: LaunchSpec, *, exits_after: bool = False) -> LaunchResult:
     `exits_after`: the process ends when the command returns (driver/cluster.py `connect`).
     """
     try:
-        return _launch(spec, exits_after)
+        with EarlyInterrupt().installed() as early:
+            return _launch(spec, exits_after, early)
     except KeyboardInterrupt:  # before megaray's own handler is installed: preflight, connecting
         raise Interrupted(signal.SIGINT, "SIGINT") from None
     except SystemExit as e:  # Ray's driver handler turns SIGTERM into sys.exit(15)
@@ -49,11 +50,12 @@ def launch(spec: LaunchSpec, *, exits_after: bool = False) -> LaunchResult:
         raise Interrupted(signal.SIGTERM, "SIGTERM") from None
 
 
-def _launch(spec: LaunchSpec, exits_after: bool) -> LaunchResult:
+def _launch(spec: LaunchSpec, exits_after: bool, early: EarlyInterrupt) -> LaunchResult:
     check_target_locally(spec.target, spec.cwd)
     profile = load_profile(spec.env_profile) if spec.env_profile else {}
     runner = runner_for(spec.target)
     plan = runner.preflight(spec)
+    early.check()  # a Ctrl-C its imports swallowed
     runs_root(spec.run_dir)  # bad input, said before connecting
     stop = StopSignal()
     progress = ProgressView(plan.facts if plan else TrainingFacts(), spec.world_size, spec.peak_tflops)
@@ -64,6 +66,7 @@ def _launch(spec: LaunchSpec, exits_after: bool) -> LaunchResult:
         # After connecting: ray.init installs its own fatal-signal handler for SIGTERM, which would
         # end the driver without teardown.
         with connect(spec, exits_after=exits_after) as cluster, stop.installed():
+            early.check()
             run = RunDir(spec.run_dir)
             run.write_spec(spec)
             if plan is not None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 
@@ -53,3 +54,44 @@ class StopSignal:
         finally:
             for s, h in old.items():
                 signal.signal(s, h)
+
+
+class EarlyInterrupt:
+    """Ctrl-C before a launch's StopSignal is installed: the preflight's imports, connecting.
+
+    Python's own handler raises KeyboardInterrupt wherever the main thread is; raised inside a
+    weakref callback or a `__del__` (imports run many), it is printed as "Exception ignored" and lost.
+    Seen in CI: Ctrl-C 3 s into the preflight, and the preflight went on and the job launched. This
+    handler raises it the same way and also remembers it, so `check()` at the next step raises it
+    again, and the lost one's traceback is not printed.
+    """
+
+    def __init__(self):
+        self.received = False
+
+    def check(self) -> None:
+        if self.received:
+            raise KeyboardInterrupt
+
+    def _handle(self, _signum, _frame) -> None:
+        self.received = True
+        raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[EarlyInterrupt]:
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        old_handler = signal.signal(signal.SIGINT, self._handle)
+        old_hook = sys.unraisablehook
+
+        def hook(unraisable) -> None:
+            if not (self.received and issubclass(unraisable.exc_type, KeyboardInterrupt)):
+                old_hook(unraisable)
+
+        sys.unraisablehook = hook
+        try:
+            yield self
+        finally:
+            signal.signal(signal.SIGINT, old_handler)
+            sys.unraisablehook = old_hook
