@@ -244,16 +244,16 @@ def test_stopping_a_job_with_warm_spares_leaves_nothing(cluster, tmp_path):
 # An unchanged gloo program: every step each rank computes (a sleep here), then an all-reduce; rank 3
 # computes `slow` seconds a step where the others take 0.05 s, or (slow 0) every rank 0.01-0.09 s at
 # random, so that each waits for whoever was last, a good share of the time. It stops after
-# `seconds`, all ranks at once.
+# `seconds`, or once the file `stop` exists, all ranks at once.
 STRAGGLER = """
-import random, sys, time
+import os, random, sys, time
 import torch, torch.distributed as dist
 dist.init_process_group("gloo")
-rank, slow, seconds = dist.get_rank(), float(sys.argv[1]), float(sys.argv[2])
+rank, slow, seconds, stop = dist.get_rank(), float(sys.argv[1]), float(sys.argv[2]), sys.argv[3]
 end = time.time() + seconds
 while True:
     time.sleep((slow if rank == 3 else 0.05) if slow else random.uniform(0.01, 0.09))
-    done = torch.tensor([1.0 if time.time() > end else 0.0])
+    done = torch.tensor([1.0 if time.time() > end or os.path.exists(stop) else 0.0])
     dist.all_reduce(done, op=dist.ReduceOp.MAX)
     if done.item():
         break
@@ -266,12 +266,19 @@ def test_the_rank_the_others_wait_for_is_named_while_it_runs(cluster, tmp_path, 
     job = "slow" if slow else "even"
     script = tmp_path / "straggler.py"
     script.write_text(STRAGGLER)
-    # named about 10 s after the start here: 18 s leave room on a loaded machine; 12 s of a balanced run
-    seconds = 18 if slow else 12
+    # Named about 10 s after the start here; the slow run ends once it is (CI's loaded machine once
+    # took longer than a fixed 18 s), at most after 90 s. A balanced run: 12 s.
+    seconds, stop = (90 if slow else 12), tmp_path / "stop"
     proc = driver(
-        cluster, job, tmp_path, f"--device cpu --nodes 2 --gpus-per-node 2 {script} {slow} {seconds}"
+        cluster, job, tmp_path, f"--device cpu --nodes 2 --gpus-per-node 2 {script} {slow} {seconds} {stop}"
     )
-    out, _ = proc.communicate(timeout=240)
+    lines = []
+    for line in proc.stdout:
+        lines.append(line)
+        if " is slow: " in line:
+            stop.touch()
+    proc.wait(timeout=240)
+    out = "".join(lines)
     assert proc.returncode == 0, out[-4000:]
     named = re.findall(r"megaray: rank (\d+) on (\S+) \(\S+\) is slow: about ([\d.]+)x", out)
     found = tmp_path / job / "stragglers.json"
