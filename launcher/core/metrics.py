@@ -20,7 +20,7 @@ from enum import StrEnum
 from typing import Any
 
 from .errors import FailureKind
-from .outcome import LaunchState
+from .outcome import LaunchState, RestartKind
 from .straggler import Sample, StepSample
 
 
@@ -51,7 +51,6 @@ JOB_LABELS = (JOB,)
 # (10 s by default): a value that does not change (a state, a hung rank's last progress) is set again
 # this often
 KEEP_EVERY_S = 1.0
-RESTART_KINDS = 2  # failure, grow (driver/controller.RestartKind)
 
 STEP_SECONDS = "megaray_rank_step_seconds"
 TOKENS_PER_S = "megaray_rank_tokens_per_second"
@@ -226,8 +225,8 @@ def series_count(world_size: int, nodes: int, mode: MetricsMode) -> int:
     if mode is MetricsMode.OFF:
         return 0
     per = world_size if mode is MetricsMode.RANK else nodes
-    by_kind = len(LaunchState) + len(FailureKind) + RESTART_KINDS  # state, failures, restarts
-    return per * len(RANK_METRICS) + len(JOB_METRICS) - 3 + by_kind
+    by_kind = {JOB_STATE: len(LaunchState), JOB_FAILURES: len(FailureKind), JOB_RESTARTS: len(RestartKind)}
+    return per * len(RANK_METRICS) + sum(by_kind.get(name, 1) for name in JOB_METRICS)
 
 
 @dataclass(frozen=True)

@@ -206,27 +206,36 @@ class WaitDetector(StragglerDetector):
 
     def scores(self, now: float) -> dict[int, float]:
         waits = self.fractions(now)
-        if waits is None or len(waits) < 2:
+        if waits is None:
             return {}
-        return {rank: _slowdown(waits, rank) for rank in waits}
+        return {rank: _slowdown(mine, peers) for rank, (mine, peers) in _against_peers(waits).items()}
 
     def suspects(self, now: float) -> dict[int, Straggler]:
         waits = self.fractions(now)
         if waits is None:
             return {}
         found = {}
-        for rank, mine in waits.items():
-            peers = statistics.median(w for r, w in waits.items() if r != rank)
+        for rank, (mine, peers) in _against_peers(waits).items():
             if peers >= PEERS_WAITING_MIN and mine <= peers * AS_LITTLE_AS:
-                found[rank] = WaitStraggler(rank, _slowdown(waits, rank), 0.0, mine, peers)
+                found[rank] = WaitStraggler(rank, _slowdown(mine, peers), 0.0, mine, peers)
         return _few(found, len(waits))
 
 
-def _slowdown(waits: dict[int, float], rank: int) -> float:
-    """A rank's time per step outside collectives against its peers': both run one step each, the
-    peers' time outside collectives is their compute, its own the whole step less its waits."""
-    peers = statistics.median(w for r, w in waits.items() if r != rank)
-    return (1.0 - waits[rank]) / max(1.0 - peers, 0.02)
+def _against_peers(values: dict[int, float]) -> dict[int, tuple[float, float]]:
+    """rank -> its value and the median of the other ranks' (nothing with fewer than two ranks)."""
+    if len(values) < 2:
+        return {}
+    return {
+        rank: (mine, statistics.median(v for r, v in values.items() if r != rank))
+        for rank, mine in values.items()
+    }
+
+
+def _slowdown(mine: float, peers: float) -> float:
+    """A rank's time per step outside collectives against its peers', from the fractions of time
+    waiting in collectives: both run one step each, the peers' time outside collectives is their
+    compute, its own the whole step less its waits."""
+    return (1.0 - mine) / max(1.0 - peers, 0.02)
 
 
 class StepDetector(StragglerDetector):
@@ -245,23 +254,21 @@ class StepDetector(StragglerDetector):
         return stages
 
     def scores(self, now: float) -> dict[int, float]:
-        out = {}
-        for means in self.means(now).values():
-            for rank, mine in means.items():
-                if len(means) > 1 and (peers := statistics.median(m for r, m in means.items() if r != rank)):
-                    out[rank] = mine / peers
-        return out
+        return {
+            rank: mine / peers
+            for means in self.means(now).values()
+            for rank, (mine, peers) in _against_peers(means).items()
+            if peers
+        }
 
     def suspects(self, now: float) -> dict[int, Straggler]:
         found: dict[int, Straggler] = {}
         for stage, means in self.means(now).items():
-            if len(means) < 2:
-                continue
-            here = {}
-            for rank, mine in means.items():
-                peers = statistics.median(m for r, m in means.items() if r != rank)
-                if mine >= SLOWER_BY * peers > 0:
-                    here[rank] = StepStraggler(rank, mine / peers, 0.0, stage, mine, peers)
+            here = {
+                rank: StepStraggler(rank, mine / peers, 0.0, stage, mine, peers)
+                for rank, (mine, peers) in _against_peers(means).items()
+                if mine >= SLOWER_BY * peers > 0
+            }
             found.update(_few(here, len(means)))
         return found
 

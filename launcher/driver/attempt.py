@@ -121,7 +121,7 @@ class Attempt:
             stragglers=StragglerWatch(
                 self.run.path,
                 [f"{s.node_ip} ({s.hostname})" for s in gang.slots],
-                on_scores=self.metrics.scores,
+                on_scores=self.metrics.scores if self.spec.metrics is not MetricsMode.OFF else None,
             ),
         )
 

@@ -30,9 +30,10 @@ class StragglerWatch:
 
     def __init__(
         self, run_dir: Path, where: list[str], clock: Callable[[], float] = time.time,
-        on_scores: Callable[[dict[int, float]], None] = lambda scores: None,
+        on_scores: Callable[[dict[int, float]], None] | None = None,
     ):  # fmt: skip
-        """`on_scores` is given every rank's straggler score at each look (the job's metrics)."""
+        """`on_scores` is given every rank's straggler score at each look (the job's metrics); without
+        it none is computed."""
         self.on_scores = on_scores
         self.path = run_dir / "stragglers.json"
         self.where = where
@@ -55,9 +56,10 @@ class StragglerWatch:
             return
         self.next_look = now + LOOK_EVERY_S
         changes = [detector.look(now) for detector in self.detectors.values()]
-        self.on_scores(
-            {r: v for detector in self.detectors.values() for r, v in detector.scores(now).items()}
-        )
+        if self.on_scores is not None:
+            self.on_scores(
+                {r: v for detector in self.detectors.values() for r, v in detector.scores(now).items()}
+            )
         for s in (s for change in changes for s in change.named):
             where = self.where[s.rank]
             log.warning("rank %d on %s is slow: %s, since %s", s.rank, where, s.describe(), _clock(s.since))
