@@ -508,6 +508,15 @@ def test_layout_that_fits_has_no_problems():
     assert layout_problems(deepseek, nodes=2, gpus_per_node=8) == []
 
 
+def test_the_dry_run_keeps_the_tp_or_pp_given_and_takes_megatrons_1_for_the_other():
+    from launcher.megatron.tiny_gpt import resolve_layout
+
+    assert resolve_layout(8, 4, None, None) == (2, 2)  # its own: TP inside a node, then PP
+    assert resolve_layout(8, 4, 4, None) == (4, 1)  # was (2, 2): the TP given was dropped
+    assert resolve_layout(8, 4, None, 4) == (1, 4)
+    assert resolve_layout(8, 4, 1, 1) == (1, 1)
+
+
 def test_layout_problems_print_the_numbers():
     from launcher.core.layout import Layout, layout_problems
 

@@ -55,12 +55,12 @@ class DryRunRunner(TargetRunner):
         return layout_problem(nodes * spec.gpus_per_node, tp, pp, global_batch)
 
     def parallel_dims(self, spec: LaunchSpec, plan: Any) -> tuple[int, int, int] | None:
-        """As the tiny trainer chooses them (megatron/tiny_gpt.py), unless given (`--dry-run tp=..`)."""
-        from .tiny_gpt import choose_layout
+        """As the tiny trainer resolves them (megatron/tiny_gpt.py)."""
+        from .tiny_gpt import resolve_layout
 
         given = parse_dry_run_options(spec.target.args)
-        tp, pp, _ = choose_layout(spec.world_size, spec.gpus_per_node)
-        return given.get("tp", tp), given.get("pp", pp), 1
+        tp, pp = resolve_layout(spec.world_size, spec.gpus_per_node, given.get("tp"), given.get("pp"))
+        return tp, pp, 1
 
     def main(self, target: Target, cwd: str) -> Any:
         from .dryrun import check_and_train

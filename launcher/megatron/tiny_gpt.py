@@ -27,6 +27,14 @@ def choose_layout(world: int, local_world: int) -> tuple[int, int, int]:
     return tp, pp, world // (tp * pp)
 
 
+def resolve_layout(world: int, local_world: int, tp: int | None, pp: int | None) -> tuple[int, int]:
+    """TP and PP as given (`--dry-run tp=.. pp=..`), the one not given 1 as Megatron defaults it;
+    neither given: `choose_layout`'s."""
+    if tp is None and pp is None:
+        return choose_layout(world, local_world)[:2]
+    return tp or 1, pp or 1
+
+
 def layout_problem(
     world: int, tp: int, pp: int, global_batch: int | None, micro_batch: int = MICRO_BATCH
 ) -> str | None:
@@ -59,7 +67,7 @@ def train(
     """Train; with `save`, checkpoint every `save_every` steps and resume from the latest one there
     (at another DP size too: the model and optimizer are the same on every DP rank); with `data`, on
     the tokens of a Megatron indexed dataset (`data`.bin/.idx, as Megatron's preprocessing writes it)
-    instead of counting sequences. `tp`/`pp` fix the layout (else `choose_layout`), `global_batch` the
+    instead of counting sequences. `tp`/`pp` fix the layout (`resolve_layout`), `global_batch` the
     sequences a step takes over all DP ranks (micro-batches per rank follow from the DP size)."""
     import torch
     import torch.distributed as dist
@@ -73,8 +81,7 @@ def train(
         if corpus is not None:
             vocab = max(vocab, int(corpus.max()) + 1)
         world = dist.get_world_size()
-        if tp is None or pp is None:
-            tp, pp, _ = choose_layout(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)))
+        tp, pp = resolve_layout(world, int(os.environ.get("LOCAL_WORLD_SIZE", world)), tp, pp)
         if problem := layout_problem(world, tp, pp, global_batch, micro_batch):
             raise ValueError(f"--dry-run: {problem}")
         if global_batch is not None:
