@@ -21,6 +21,7 @@ from typing import Any
 
 from .errors import FailureKind
 from .outcome import LaunchState, RestartKind
+from .progress import tflops_per_gpu
 from .straggler import Sample, StepSample
 
 
@@ -205,7 +206,7 @@ class RankTrack:
                 if "tokens" in self.per_iteration:
                     self.values[TOKENS_PER_S] = self.per_iteration["tokens"] / self.world_size / step
                 if "flops" in self.per_iteration:
-                    self.values[TFLOPS] = self.per_iteration["flops"] / self.world_size / step / 1e12
+                    self.values[TFLOPS] = tflops_per_gpu(self.per_iteration["flops"], step, self.world_size)
                     self.values[MFU] = self.values[TFLOPS] / self.peak
         return self.values
 

@@ -14,6 +14,12 @@ from typing import Any
 # unless --peak-tflops says otherwise.
 H100_SXM_BF16_TFLOPS = 989.0
 
+
+def tflops_per_gpu(flops: float, seconds: float, gpus: int) -> float:
+    """TFLOP/s of each GPU: one step's FLOPs, every rank together, over its time and the GPUs."""
+    return flops / seconds / gpus / 1e12
+
+
 _ITERATION = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|")
 _ELAPSED_MS = re.compile(r"elapsed time per iteration \(ms\):\s*([0-9.]+)")
 _GLOBAL_BATCH = re.compile(r"global batch size:\s*(\d+)")

@@ -14,7 +14,7 @@ import time
 from typing import Any
 
 from ..core.outcome import LaunchObserver, LaunchState
-from ..core.progress import TrainingFacts
+from ..core.progress import TrainingFacts, tflops_per_gpu
 
 log = logging.getLogger("megaray")
 
@@ -88,7 +88,7 @@ class ProgressView(LaunchObserver):
                 if self.facts.flops_per_token and not flops:
                     flops = self.facts.flops_per_token * tokens
             if flops:
-                tflops = flops / iter_s / self.world_size / 1e12
+                tflops = tflops_per_gpu(flops, iter_s, self.world_size)
                 s["tflops_per_gpu"], s["mfu"] = tflops, tflops / self.peak
             if total:
                 s["eta_s"] = max(0, total - it) * iter_s
