@@ -186,9 +186,11 @@ def test_a_grpc_server_that_never_answers_ray(tmp_path):
 
 
 def test_a_gcs_that_answers_then_stalls_is_bounded(tmp_path):
+    # Past 5 s, Ray's C++ client warns on stderr that it failed to connect: held back, not shown
+    # above the one line (CI saw it there when both came at 5 s; at the default 10 s it always was).
     with grpc_server(answer_cluster_id=True) as port:
-        done = launch(f"127.0.0.1:{port}", tmp_path, MEGARAY_CONNECT_TIMEOUT_S="5")
-    assert_one_line(done, tmp_path, "answered, then did not finish letting this driver in within 5 s")
+        done = launch(f"127.0.0.1:{port}", tmp_path, MEGARAY_CONNECT_TIMEOUT_S="7")
+    assert_one_line(done, tmp_path, "answered, then did not finish letting this driver in within 7 s")
 
 
 def _descendants(pid: int) -> list[int]:

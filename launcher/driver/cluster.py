@@ -20,6 +20,7 @@ from ..core.topology import RankReport, local_ranks_problem
 from ..core.versions import python_version
 from . import rayprivate, up
 from .auth import AUTH_HINT, token_mode
+from .held_stderr import HeldStderr
 from .nodeenv import node_environment
 from .reach import check_reachable
 from .targets import runner_for
@@ -163,12 +164,18 @@ def deadline(seconds: float, address: str, exits_after: bool = False) -> Iterato
     """Bound a call that Ray may hold for minutes (its GCS client blocks in C++, where neither a
     signal handler nor an exception reaches it). At the deadline the command (cli/main.py `entry`)
     ends with exit 2 and one line: nothing is placed yet, so nothing is left. Called from Python
-    (notebooks, tests), the process is not ended: the line is logged and the call goes on."""
+    (notebooks, tests), the process is not ended: the line is logged and the call goes on.
+
+    What Ray writes to stderr meanwhile is held back and shown when the call returns: its C++
+    client's retry warnings (`Failed to connect to GCS ... within 5 seconds`) would otherwise come
+    before the one line, which says more."""
     done = threading.Event()
+    held = HeldStderr()
 
     def watch() -> None:
         if done.wait(seconds):
             return
+        held.release(drop=True)
         message = (
             f"the Ray cluster at {address} answered, then did not finish letting this driver in within "
             f"{seconds:.0f} s (a GCS that stalled or is overloaded, or a Ray of another version): check "
@@ -182,11 +189,13 @@ def deadline(seconds: float, address: str, exits_after: bool = False) -> Iterato
             os._exit(2)
 
     watcher = threading.Thread(target=watch, name="megaray-connect-deadline", daemon=True)
+    held.hold()
     watcher.start()
     try:
         yield
     finally:
         done.set()
+        held.release()
 
 
 def quiet_raylet(on: bool) -> None:
