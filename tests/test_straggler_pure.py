@@ -38,6 +38,11 @@ def test_the_rank_its_peers_wait_for_is_named_after_it_stays_slow_with_its_slowd
     assert s.rank == 3 and s.since == EVERY and t - s.since >= CONFIRM_S
     assert s.slowdown == pytest.approx(4.0, rel=0.1)  # computes 4x as long per step
     assert "about 4.2x its peers' time per step" in s.describe()
+    # the metrics' scores come from the same look, asked for: each rank against its peers' median
+    feed(d, 17.5, {0: 0.76, 1: 0.72, 2: 0.76, 3: 0.0})
+    scores = d.look(17.5, scores=True).scores
+    assert scores[3] == pytest.approx(s.slowdown) and all(scores[r] < 1.2 for r in (0, 1, 2))
+    assert d.look(17.5).scores == {}
 
 
 @pytest.mark.parametrize(
@@ -117,11 +122,14 @@ def test_a_rank_whose_forward_steps_take_longer_than_its_stage_peers_is_named_wi
     # two pipeline stages of three data-parallel ranks; stage 1 runs longer steps (the loss), rank 4
     # 2x its stage peers
     times = {0: (0, 0.10), 1: (0, 0.11), 2: (0, 0.10), 3: (1, 0.20), 4: (1, 0.40), 5: (1, 0.21)}
-    changes = run_steps(StepDetector(6), 15, times)
+    d = StepDetector(6)
+    changes = run_steps(d, 15, times)
     named = [(t, s) for t, c in changes for s in c.named]
     assert [s.rank for _, s in named] == [4]
     t, s = named[0]
     assert t - s.since >= CONFIRM_S and s.slowdown == pytest.approx(1.95, rel=0.05)
+    scores = d.look(changes[-1][0], scores=True).scores  # against the stage's peers, stage 0's too
+    assert scores[4] == pytest.approx(1.95, rel=0.05) and scores[0] == pytest.approx(0.95, rel=0.05)
     said = "about 2.0x its peers' time per forward step (400 ms against 205 ms on pipeline stage 1)"
     assert s.describe() == said
     assert s.figures() == {"stage": 1, "step_s": 0.4, "peers_step_s": 0.205}

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
 # samples older than this are forgotten: the ranks' start (imports, rendezvous) must not dilute the
@@ -120,10 +120,12 @@ def _ms(seconds: float) -> str:
 
 @dataclass(frozen=True)
 class Change:
-    """What one look found: ranks newly named slow, and named ranks no longer slow."""
+    """What one look found: ranks newly named slow, named ranks no longer slow, and (when asked for)
+    every rank's score."""
 
     named: tuple[Straggler, ...] = ()
     recovered: tuple[Straggler, ...] = ()
+    scores: dict[int, float] = field(default_factory=dict)
 
 
 class StragglerDetector:
@@ -155,19 +157,26 @@ class StragglerDetector:
             self._forget(q, now)
         return self.samples
 
-    def suspects(self, now: float) -> dict[int, Straggler]:
+    def compared(self, now: float) -> Any:
+        """The window's evidence, each rank's against its peers': worked out once a look, for both
+        `suspects` and `scores`."""
+        raise NotImplementedError
+
+    def suspects(self, compared: Any) -> dict[int, Straggler]:
         """rank -> what makes it one (`since` is filled in by `look`)."""
         raise NotImplementedError
 
-    def scores(self, now: float) -> dict[int, float]:
+    def scores(self, compared: Any) -> dict[int, float]:
         """Each rank's time per step against its peers' median (1: as fast), for the ranks with
         enough samples: the metrics' straggler score (core/metrics.py)."""
         raise NotImplementedError
 
-    def look(self, now: float) -> Change:
+    def look(self, now: float, scores: bool = False) -> Change:
+        """`scores`: the Change carries every rank's score too (the job's metrics want them)."""
         if self.world_size < 2:
             return Change()
-        found = self.suspects(now)
+        compared = self.compared(now)
+        found = self.suspects(compared)
         named, recovered = [], []
         for rank, straggler in found.items():
             since = self.suspect_since.setdefault(rank, now)
@@ -178,7 +187,7 @@ class StragglerDetector:
             del self.suspect_since[rank]
             if rank in self.named:
                 recovered.append(self.named.pop(rank))
-        return Change(tuple(named), tuple(recovered))
+        return Change(tuple(named), tuple(recovered), self.scores(compared) if scores else {})
 
 
 def _few(found: dict[int, Straggler], among: int) -> dict[int, Straggler]:
@@ -204,21 +213,20 @@ class WaitDetector(StragglerDetector):
             out[rank] = sum(s.waiting for s in q) / n
         return out
 
-    def scores(self, now: float) -> dict[int, float]:
+    def compared(self, now: float) -> dict[int, tuple[float, float]]:
+        """rank -> its waiting fraction and its peers' median (nothing until every rank has enough)."""
         waits = self.fractions(now)
-        if waits is None:
-            return {}
-        return {rank: _slowdown(mine, peers) for rank, (mine, peers) in _against_peers(waits).items()}
+        return _against_peers(waits) if waits is not None else {}
 
-    def suspects(self, now: float) -> dict[int, Straggler]:
-        waits = self.fractions(now)
-        if waits is None:
-            return {}
+    def scores(self, compared: dict[int, tuple[float, float]]) -> dict[int, float]:
+        return {rank: _slowdown(mine, peers) for rank, (mine, peers) in compared.items()}
+
+    def suspects(self, compared: dict[int, tuple[float, float]]) -> dict[int, Straggler]:
         found = {}
-        for rank, (mine, peers) in _against_peers(waits).items():
+        for rank, (mine, peers) in compared.items():
             if peers >= PEERS_WAITING_MIN and mine <= peers * AS_LITTLE_AS:
                 found[rank] = WaitStraggler(rank, _slowdown(mine, peers), 0.0, mine, peers)
-        return _few(found, len(waits))
+        return _few(found, len(compared))
 
 
 def _against_peers(values: dict[int, float]) -> dict[int, tuple[float, float]]:
@@ -253,23 +261,27 @@ class StepDetector(StragglerDetector):
                 stages.setdefault(q[-1].stage, {})[rank] = sum(s.seconds for s in q) / steps
         return stages
 
-    def scores(self, now: float) -> dict[int, float]:
+    def compared(self, now: float) -> dict[int, dict[int, tuple[float, float]]]:
+        """stage -> rank -> its mean forward step and its stage peers' median."""
+        return {stage: _against_peers(means) for stage, means in self.means(now).items()}
+
+    def scores(self, compared: dict[int, dict[int, tuple[float, float]]]) -> dict[int, float]:
         return {
             rank: mine / peers
-            for means in self.means(now).values()
-            for rank, (mine, peers) in _against_peers(means).items()
+            for stage in compared.values()
+            for rank, (mine, peers) in stage.items()
             if peers
         }
 
-    def suspects(self, now: float) -> dict[int, Straggler]:
+    def suspects(self, compared: dict[int, dict[int, tuple[float, float]]]) -> dict[int, Straggler]:
         found: dict[int, Straggler] = {}
-        for stage, means in self.means(now).items():
+        for stage, against in compared.items():
             here = {
                 rank: StepStraggler(rank, mine / peers, 0.0, stage, mine, peers)
-                for rank, (mine, peers) in _against_peers(means).items()
+                for rank, (mine, peers) in against.items()
                 if mine >= SLOWER_BY * peers > 0
             }
-            found.update(_few(here, len(means)))
+            found.update(_few(here, len(against)))
         return found
 
 

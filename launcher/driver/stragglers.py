@@ -55,11 +55,10 @@ class StragglerWatch:
         if now < self.next_look:
             return
         self.next_look = now + LOOK_EVERY_S
-        changes = [detector.look(now) for detector in self.detectors.values()]
+        scores = self.on_scores is not None
+        changes = [detector.look(now, scores) for detector in self.detectors.values()]
         if self.on_scores is not None:
-            self.on_scores(
-                {r: v for detector in self.detectors.values() for r, v in detector.scores(now).items()}
-            )
+            self.on_scores({r: v for change in changes for r, v in change.scores.items()})
         for s in (s for change in changes for s in change.named):
             where = self.where[s.rank]
             log.warning("rank %d on %s is slow: %s, since %s", s.rank, where, s.describe(), _clock(s.since))

@@ -32,7 +32,7 @@ def resolve_layout(world: int, local_world: int, tp: int | None, pp: int | None)
     neither given: `choose_layout`'s."""
     if tp is None and pp is None:
         return choose_layout(world, local_world)[:2]
-    return tp or 1, pp or 1
+    return 1 if tp is None else tp, 1 if pp is None else pp
 
 
 def layout_problem(
