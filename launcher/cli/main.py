@@ -8,6 +8,7 @@ import sys
 
 from ..core.errors import MegarayError, RankFailedError
 from ..core.spec import spec_from_args
+from ..core.target import parse_dry_run_options
 from .commands import COMMANDS, commands_help
 
 log = logging.getLogger("megaray")
@@ -82,7 +83,8 @@ def main(argv: list[str] | None = None, *, exits_after: bool = False) -> int:
         result = launch(spec, exits_after=exits_after)
         if spec.dry_run:
             nodes = len(result.returns) // spec.gpus_per_node  # with --nodes MIN:MAX, the last attempt's
-            return _report_dry_run(result.returns, nodes)
+            asked_to_train = parse_dry_run_options(spec.target.args).get("steps") != 0
+            return _report_dry_run(result.returns, nodes, asked_to_train)
     except RankFailedError as e:
         print(e.report(), file=sys.stderr, flush=True)
         return e.exit_code
@@ -98,7 +100,8 @@ def main(argv: list[str] | None = None, *, exits_after: bool = False) -> int:
 LOSS_TAIL = 5  # the dry run's training ends at the mean loss of its last this many steps
 
 
-def _report_dry_run(views: list[dict], nodes: int) -> int:
+def _report_dry_run(views: list[dict], nodes: int, asked_to_train: bool = True) -> int:
+    """`asked_to_train` is False for `--dry-run steps=0`, the rendezvous check alone."""
     log.info(
         "dry run passed: %d ranks on %d node(s) joined %s over gloo, all-reduce gave %d on every rank, "
         "LOCAL_RANK unique per node",
@@ -108,6 +111,8 @@ def _report_dry_run(views: list[dict], nodes: int) -> int:
         views[0]["all_reduce"],
     )
     trained = [v["training"] for v in views if v.get("training") and v["training"]["losses"]]
+    if not trained and not asked_to_train:
+        return 0
     if not trained:
         from ..megatron.tiny_gpt import choose_layout
 

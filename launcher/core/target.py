@@ -74,8 +74,9 @@ DRY_RUN_OPTIONS = {
 
 def parse_dry_run_options(args: list[str] | tuple[str, ...]) -> dict[str, Any]:
     """`--dry-run steps=40 save=DIR save_every=5 data=PREFIX tp=1 pp=2 global_batch=16`: the tiny
-    trainer's length, checkpoints, a Megatron indexed dataset (PREFIX.bin/.idx) to train on instead of
-    counting sequences, its layout, and the sequences a step takes over all its DP ranks."""
+    trainer's length (steps=0: no training, the rendezvous check alone, Megatron never imported),
+    checkpoints, a Megatron indexed dataset (PREFIX.bin/.idx) to train on instead of counting
+    sequences, its layout, and the sequences a step takes over all its DP ranks."""
     options: dict[str, Any] = {}
     for item in args:
         key, sep, value = item.partition("=")
@@ -87,8 +88,9 @@ def parse_dry_run_options(args: list[str] | tuple[str, ...]) -> dict[str, Any]:
             options[key] = DRY_RUN_OPTIONS[key](value)
         except ValueError:
             raise ValueError(f"--dry-run {item!r}: {key} must be {DRY_RUN_OPTIONS[key].__name__}") from None
-        if DRY_RUN_OPTIONS[key] is int and options[key] < 1:
-            raise ValueError(f"--dry-run {item!r}: {key} must be at least 1")
+        least = 0 if key == "steps" else 1  # steps=0: the rendezvous check alone, no training
+        if DRY_RUN_OPTIONS[key] is int and options[key] < least:
+            raise ValueError(f"--dry-run {item!r}: {key} must be at least {least}")
     return options
 
 
