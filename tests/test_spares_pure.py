@@ -1,0 +1,71 @@
+"""Tier 1, with no process started: warm spares and target runners: what is imported ahead (rank/warmup.py,
+driver/targets.py)."""
+
+from __future__ import annotations
+
+import os
+
+from launcher.core.recipes import load_recipe
+from launcher.core.spec import spec_from_args
+from launcher.core.target import DRY_RUN_TARGET, Target
+from launcher.driver.targets import runner_for
+from launcher.rank.probes import wait_gone
+from launcher.rank.warmup import warm
+
+
+def test_spares_import_the_launcher_stack_never_user_code():
+    def warm_steps(target):
+        return runner_for(target).warm_imports(target)
+
+    assert warm_steps(Target("script", "train.py")) == ("torch", "torch.distributed")
+    assert warm_steps(Target("entrypoint", "mypkg.train:main")) == ("torch", "torch.distributed")
+    dry = warm_steps(DRY_RUN_TARGET)
+    assert "megatron.core.models.gpt" in dry and "launcher.megatron.tiny_gpt" in dry
+    recipe = load_recipe("llama3_8b")
+    steps = warm_steps(Target("megatron", "llama3_8b", recipe=recipe))
+    assert steps.index("launcher.megatron.compat:import_bridge") < steps.index(
+        "megatron.bridge.training.pretrain"
+    )
+    assert recipe.function.partition(":")[0] in steps
+
+
+def test_every_kind_of_target_has_a_runner_and_plain_programs_resume_themselves():
+    from launcher.core.spec import spec_from_args
+    from launcher.core.target import TargetKind
+    from launcher.driver.targets import RUNNERS
+
+    assert set(RUNNERS) == set(TargetKind)
+    spec = spec_from_args(["train.py", "--lr", "1"])
+    runner = runner_for(spec.target)
+    assert runner.preflight(spec) is None and runner.first_target(spec, None) == spec.target
+    assert runner.resume_target(spec.target, None) == spec.target  # TORCHELASTIC_RESTART_COUNT tells it
+    assert runner.relays_output and not runner_for(Target("group", "rank group")).relays_output
+    assert {f.rsplit("/", 2)[-2] + "/" + f.rsplit("/", 1)[-1] for f in runner.own_files()} == {
+        "core/runner.py", "rank/programs.py",
+    }  # fmt: skip
+
+
+def test_a_dry_run_of_no_steps_is_the_check_alone_and_never_imports_megatron():
+    plain = runner_for(DRY_RUN_TARGET)
+    check = Target(DRY_RUN_TARGET.kind, DRY_RUN_TARGET.name, ("steps=0",))
+    assert any(m.startswith("megatron.") for m in plain.warm_imports(DRY_RUN_TARGET))
+    assert not any("megatron" in m for m in plain.warm_imports(check))
+    assert spec_from_args(["--dry-run", "steps=0"], environ={}).target == check
+
+
+def test_warm_applies_the_env_first_and_reports_what_did_not_import(monkeypatch):
+    monkeypatch.delenv("MEGARAY_TEST_WARM", raising=False)
+    result = warm(
+        {"MEGARAY_TEST_WARM": "1"},
+        ("json", "megaray_no_such_module", "launcher.megatron.compat:te_installed"),
+    )
+    assert os.environ.pop("MEGARAY_TEST_WARM") == "1"
+    assert list(result["failed"]) == ["megaray_no_such_module"]
+    assert "ModuleNotFoundError" in result["failed"]["megaray_no_such_module"]
+    assert result["cuda_initialized"] is False
+    assert "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ  # only for the imports
+
+
+def test_a_spare_waits_for_the_process_it_replaces():
+    assert wait_gone(2**22 + 12345, timeout_s=0.1)  # no such pid: gone
+    assert not wait_gone(os.getpid(), timeout_s=0.1)  # still here when the wait ends
