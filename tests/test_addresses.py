@@ -20,10 +20,8 @@ from pathlib import Path
 
 import pytest
 
-from .conftest import REPO
+from . import drive
 from .raycluster import start_cluster
-
-pytestmark = pytest.mark.slow
 
 # Each case must end well within this (the bound), or the run counts as a hang.
 LIMIT_S = 15
@@ -32,12 +30,9 @@ LIMIT_S = 15
 def launch(address: str, tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
-    base = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("RAY_AUTH")}
-    cmd = [sys.executable, "main.py", "--address", address, "--device", "cpu", "--runs-dir",
-           str(tmp_path / "runs"), "--dry-run"]  # fmt: skip
-    return subprocess.run(
-        cmd, cwd=REPO, env={**base, "HOME": str(home), **env}, capture_output=True, text=True, timeout=LIMIT_S
-    )
+    env = drive.user_env(drop=("RAY_AUTH",), HOME=str(home), **env)
+    args = ("--address", address, "--device", "cpu", "--runs-dir", str(tmp_path / "runs"), "--dry-run")
+    return drive.run(*args, env=env, timeout=LIMIT_S)
 
 
 def assert_one_line(done: subprocess.CompletedProcess, tmp_path: Path, *words: str) -> None:

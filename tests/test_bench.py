@@ -4,11 +4,8 @@ from __future__ import annotations
 
 import sys
 
-import pytest
-
 from .conftest import REPO
 
-pytestmark = pytest.mark.slow
 sys.path.insert(0, str(REPO / "bench"))
 
 

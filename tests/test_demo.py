@@ -3,28 +3,15 @@
 from __future__ import annotations
 
 import json
-import os
 import re
-import subprocess
-import sys
 
 import pytest
 
-from .conftest import REPO
-
-pytestmark = pytest.mark.slow
+from . import drive
 
 
 def test_readme_demo_dry_run_on_two_simulated_nodes():
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    p = subprocess.run(
-        [sys.executable, "main.py", "--dry-run", "--nodes", "2", "--gpus-per-node", "2"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    p = drive.run("--dry-run", "--nodes", "2", "--gpus-per-node", "2")  # the README's demo
     out = p.stdout + p.stderr
     assert p.returncode == 0, out
     assert "simulating 2 node(s) x 2 declared GPUs" in out
@@ -38,18 +25,7 @@ def test_readme_demo_dry_run_on_two_simulated_nodes():
 )
 def test_a_plain_torchrun_script_runs_locally_on_simulated_nodes_or_more_ranks_than_cores(layout):
     # No address: 2 simulated nodes, or 4 ranks on this 2-core machine, as torchrun would start them.
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    cmd = [
-        sys.executable,
-        "main.py",
-        "--device",
-        "cpu",
-        *layout,
-        "--log-ranks",
-        "all",
-        "examples/torchrun_script.py",
-    ]
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    p = drive.run("--device", "cpu", *layout, "--log-ranks", "all", "examples/torchrun_script.py")
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-4000:]
     rows = re.findall(r"^\s+(\d)\s+(\d)\s+\S+\s+\S+\s+(\d)\s+-\s+\d+$", out, flags=re.M)
@@ -71,11 +47,9 @@ def test_local_ranks_get_the_shells_library_variables_and_nothing_else(tmp_path)
     # The same policy as on a cluster (test_multi_node): forwarded by prefix, never the whole shell.
     script = tmp_path / "probe.py"
     script.write_text(ENV_PROBE)
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env.update(ACCELERATE_USE_CPU="true", MY_PASSWORD="hunter2", NCCL_DEBUG="INFO")
-    cmd = [sys.executable, "main.py", "--device", "cpu", "--nodes", "2", "--runs-dir", str(tmp_path),
-           str(script), str(tmp_path)]  # fmt: skip
-    p = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    env = drive.user_env(ACCELERATE_USE_CPU="true", MY_PASSWORD="hunter2", NCCL_DEBUG="INFO")
+    args = ("--device", "cpu", "--nodes", "2", "--runs-dir", str(tmp_path), str(script), str(tmp_path))
+    p = drive.run(*args, env=env)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     for rank in (0, 1):
         seen = json.loads((tmp_path / f"env-{rank}.json").read_text())

@@ -115,6 +115,7 @@ def test_override_values_must_fit_the_declared_type(capsys):
     assert "micro_batch_size takes int or None, got 'xyz'" in err and "Traceback" not in err
 
 
+@pytest.mark.slow  # processes of its own that import Megatron: out of the fast loop
 def test_check_prints_only_what_megaray_found():
     # megatron-core and bridge warn ~30 lines about the driver's machine as they import (no TE, no
     # Apex, no CUDA runtime): the preflight's own lines are what a user reads.
@@ -127,6 +128,7 @@ def test_check_prints_only_what_megaray_found():
     assert "memory 44.2 GiB per GPU" in p.stderr
 
 
+@pytest.mark.slow  # processes of its own that import Megatron: out of the fast loop
 def test_an_hf_config_that_cannot_be_had_offline_exits_2_at_once(tmp_path):
     import subprocess
     import sys
@@ -373,6 +375,7 @@ def test_recipes_are_found_in_the_checkout_or_a_wheel(tmp_path):
     assert load_recipe(str(copy)).name == "mine"
 
 
+@pytest.mark.slow  # processes of its own that import Megatron: out of the fast loop
 def test_cpu_adaptation_touches_only_megatron_modules():
     """In a fresh process: global torch keeps its CUDA behaviour, megatron modules get the proxy."""
     import subprocess
@@ -404,6 +407,7 @@ print("ok")
     assert p.returncode == 0 and p.stdout.strip().endswith("ok"), p.stdout + p.stderr
 
 
+@pytest.mark.slow  # processes of its own that import Megatron: out of the fast loop
 @pytest.mark.parametrize("check", [True, False])
 def test_ctrl_c_during_the_preflight_exits_130_in_one_line(check):
     import signal
@@ -423,6 +427,7 @@ def test_ctrl_c_during_the_preflight_exits_130_in_one_line(check):
     assert "Traceback" not in err and "interrupted by SIGINT" in err
 
 
+@pytest.mark.slow  # processes of its own that import Megatron: out of the fast loop
 def test_real_data_made_by_megatron_preprocessing_trains_the_dry_run_and_passes_the_preflight(
     tmp_path, capsys
 ):

@@ -9,13 +9,12 @@ import json
 import re
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from . import prometheus
+from . import drive, prometheus
 from .raycluster import start_cluster
 
 REPO = Path(__file__).resolve().parent.parent
@@ -72,13 +71,11 @@ def scraped(tmp_path_factory):
 
 
 def start_job(cluster, tmp_path: Path, job: str, *args: str) -> tuple[subprocess.Popen, Path]:
-    env = {k: v for k, v in cluster.env.items() if k != "RAY_AUTH_MODE"}
-    cmd = [
-        sys.executable, "main.py", "--address", cluster.gcs, "--device", "cpu", "--nodes", "2",
-        "--gpus-per-node", "2", "--job-name", job, "--runs-dir", str(tmp_path / "runs"), *args,
-    ]  # fmt: skip
+    env = drive.user_env(cluster.env, drop=("RAY_AUTH_MODE",))
     log = tmp_path / "driver.log"
-    return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=log.open("w"), stderr=subprocess.STDOUT), log
+    args = ("--address", cluster.gcs, "--device", "cpu", "--nodes", "2", "--gpus-per-node", "2",
+            "--job-name", job, "--runs-dir", str(tmp_path / "runs"), *args)  # fmt: skip
+    return drive.start(*args, env=env, log=log), log
 
 
 def wait_for(prom, driver: subprocess.Popen, log: Path, missing_now, within_s: float = 120) -> None:
@@ -90,6 +87,14 @@ def wait_for(prom, driver: subprocess.Popen, log: Path, missing_now, within_s: f
         missing = missing_now()
     have = sorted({r["metric"]["__name__"] for r in prom.query('{__name__=~"ray_megaray_.+"}')})
     assert not missing, f"no data for {missing}; series there: {have}\n" + log.read_text()[-3000:]
+
+
+REPORTS = """
+import time, launcher
+for it in range(1, 3000):
+    launcher.report(it, total=3000, loss=1.0, tokens=8192)
+    time.sleep(0.2)
+"""
 
 
 def ranks_of(prom, query: str) -> set[str | None]:
@@ -184,8 +189,11 @@ def test_the_megatron_dry_run_exports_each_ranks_forward_step_with_its_tp_pp_dp_
             driver.kill()
     assert cluster.alive(job) == ([], [])
 
-    job = "mx-node"
-    driver, log = start_job(cluster, tmp_path, job, "--metrics", "node", "--dry-run", "steps=100000")
+    # --metrics node: a plain program that reports its steps (what --metrics node adds up per node does
+    # not depend on where the step times come from; a second Megatron run would only cost imports)
+    job, reporter = "mx-node", tmp_path / "reports.py"
+    reporter.write_text(REPORTS)
+    driver, log = start_job(cluster, tmp_path, job, "--metrics", "node", str(reporter))
     try:
         step = f'ray_megaray_rank_step_seconds{{megaray_job="{job}"}}'
         wait_for(prom, driver, log, lambda: [] if prom.query(step) else [step])

@@ -9,8 +9,6 @@ import math
 import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -22,9 +20,8 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launcher.cli import main
 
+from . import drive
 from .conftest import REPO, free_port, leftovers, read_ranks
-
-pytestmark = pytest.mark.slow
 
 CPU_TWO_NODES = "--device cpu --nodes 2 --gpus-per-node 1"
 NODE_A_ENV = {"OMP_NUM_THREADS": "3", "NCCL_DEBUG": "INFO"}
@@ -154,18 +151,11 @@ def test_dry_run_across_two_nodes_trains_megatron(cluster, capsys):
 
 
 def _driver(cluster, job, args: str, out=None):
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PYTHONUNBUFFERED"] = "1"
     extra = ["--env", f"MEGARAY_TEST_OUT={out}"] if out else []
-    argv = [sys.executable, str(REPO / "main.py"), "--job-name", job, "--address", cluster.address, *extra]
-    return subprocess.Popen(
-        [*argv, *args.split()],
-        cwd=REPO,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
+    return drive.start(
+        "--job-name", job, "--address", cluster.address, *extra, *args.split(),
+        env=drive.user_env(PYTHONUNBUFFERED="1"),
+    )  # fmt: skip
 
 
 def test_two_jobs_at_once_get_different_ports_and_both_succeed(cluster, tmp_path):

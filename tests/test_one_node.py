@@ -366,6 +366,7 @@ atexit.register(print, f"rank {rank} says goodbye from atexit")
 """
 
 
+@pytest.mark.slow  # seconds of waiting or many ranks: out of the fast loop
 def test_ranks_end_like_processes_atexit_and_threads_run_as_under_torchrun(tmp_path, capsys):
     import subprocess
     import sys
@@ -421,6 +422,7 @@ dist.destroy_process_group()
 """
 
 
+@pytest.mark.slow  # seconds of waiting or many ranks: out of the fast loop
 def test_the_store_is_served_before_programs_start_and_shared_as_torchrun_s_agent_store(tmp_path):
     """Ranks that reach the rendezvous before rank 0's program has imported torch are served once it
     has, and a program's own master store on MASTER_PORT joins that store: torchrun's agent store."""
@@ -595,6 +597,7 @@ def test_a_slow_sink_slows_the_sending_not_the_program_and_loses_nothing(tmp_pat
             ray.kill(actor)
 
 
+@pytest.mark.slow  # seconds of waiting or many ranks: out of the fast loop
 def test_a_busy_machine_and_a_stopped_rank_are_not_a_lost_node(out, capsys):
     """megaray's own node probes (a TCP connection to the raylet) are answered by the kernel, whatever
     the ranks do: all CPUs busy, a C call holding the GIL, a long checkpoint write, a first
@@ -610,6 +613,7 @@ def test_a_busy_machine_and_a_stopped_rank_are_not_a_lost_node(out, capsys):
     assert leftovers("notlost") == ([], [])
 
 
+@pytest.mark.slow  # seconds of waiting or many ranks: out of the fast loop
 def test_sixteen_ranks_importing_torch_on_two_cores_are_not_a_lost_node(tmp_path, capsys):
     """The machine at 100% for half a minute: 16 ranks starting Ray workers, importing torch and
     joining gloo on 2 cores (bench/barrier.py, unchanged). The node's raylet port is answered by the

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from . import drive
 from .conftest import REPO
-
-pytestmark = pytest.mark.slow
 
 PROBE = Path(__file__).resolve().parent / "fixtures" / "process" / "probe.py"
 START_UP = {"PYTHONHASHSEED": "0", "PYTHONDEVMODE": "1", "PYTHONWARNINGS": "ignore::ResourceWarning"}
@@ -105,10 +104,18 @@ def under_torchrun(
 
 
 def under_megaray(tmp_path: Path, script: str, *args: str, env: dict[str, str], extra: tuple[str, ...] = ()):
-    cmd = [sys.executable, str(REPO / "main.py"), "--device", "cpu", "--gpus-per-node", "2", "--runs-dir",
-           str(tmp_path / "runs"), *extra, script, *args]  # fmt: skip
-    return subprocess.run(cmd, cwd=Path(script).parent, env=env, capture_output=True, text=True, timeout=300,
-                          stdin=subprocess.DEVNULL)  # fmt: skip
+    args = (
+        "--device",
+        "cpu",
+        "--gpus-per-node",
+        "2",
+        "--runs-dir",
+        str(tmp_path / "runs"),
+        *extra,
+        script,
+        *args,
+    )
+    return drive.run(*args, env=env, cwd=Path(script).parent)
 
 
 def under_both(tmp_path: Path, name: str, program: str):

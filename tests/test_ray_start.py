@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 
-from .conftest import REPO
+from . import drive
 from .raycluster import RayStartCluster, start_cluster
-
-pytestmark = pytest.mark.slow
 
 GLOO = """
 import os, sys, time
@@ -89,11 +86,8 @@ def cluster():
 
 
 def driver(cluster: RayStartCluster, args: list[str], **kw) -> subprocess.Popen:
-    env = {k: v for k, v in cluster.env.items() if k != "RAY_AUTH_MODE"}
-    cmd = [sys.executable, "main.py", "--address", cluster.gcs, "--device", "cpu", *args]
-    return subprocess.Popen(
-        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **kw
-    )
+    env = drive.user_env(cluster.env, drop=("RAY_AUTH_MODE",))
+    return drive.start("--address", cluster.gcs, "--device", "cpu", *args, env=env, **kw)
 
 
 def run(cluster: RayStartCluster, args: list[str], timeout: float = 180) -> tuple[int, str]:
@@ -177,19 +171,12 @@ def test_a_layout_no_node_can_hold_says_the_cluster_has_no_autoscaler_while_it_w
 
 
 def test_an_address_that_is_not_the_gcs_is_refused_at_once(cluster, tmp_path):
-    env = {k: v for k, v in cluster.env.items() if k != "RAY_AUTH_MODE"}
+    env = drive.user_env(cluster.env, drop=("RAY_AUTH_MODE",))
     dashboard = cluster.url.removeprefix("http://")
     t0 = time.monotonic()
-    cmd = [
-        sys.executable,
-        "main.py",
-        "--address",
-        dashboard,
-        "--device",
-        "cpu",
-        script(tmp_path, "g.py", GLOO),
-    ]
-    done = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    done = drive.run(
+        "--address", dashboard, "--device", "cpu", script(tmp_path, "g.py", GLOO), env=env, timeout=60
+    )
     assert done.returncode == 2 and "answers, but as an HTTP server" in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr and time.monotonic() - t0 < 20
 
@@ -205,17 +192,10 @@ def test_an_address_that_is_not_the_gcs_is_refused_at_once(cluster, tmp_path):
 def test_token_problems_are_one_line_at_once(cluster, tmp_path, env, message):
     base = {k: v for k, v in cluster.env.items() if not k.startswith("RAY_AUTH_")}
     base.update({"HOME": str(tmp_path), "RAY_AUTH_TOKEN_PATH": str(cluster.token_path), **env})
-    cmd = [
-        sys.executable,
-        "main.py",
-        "--address",
-        cluster.gcs,
-        "--device",
-        "cpu",
-        script(tmp_path, "g.py", GLOO),
-    ]
     t0 = time.monotonic()
-    done = subprocess.run(cmd, cwd=REPO, env=base, capture_output=True, text=True, timeout=60)
+    done = drive.run(
+        "--address", cluster.gcs, "--device", "cpu", script(tmp_path, "g.py", GLOO), env=base, timeout=60
+    )
     assert done.returncode == 2 and message in done.stderr, done.stderr[-2000:]
     assert "gcs_client" not in done.stderr and "Traceback" not in done.stderr
     assert time.monotonic() - t0 < 20  # Ray's own retries take 20 s and print a line a second
@@ -257,9 +237,7 @@ def test_secrets_reach_the_ranks_and_no_file_or_console(cluster, tmp_path):
 
 
 def megaray(cluster: RayStartCluster, *args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in cluster.env.items() if k != "RAY_AUTH_MODE"}
-    return subprocess.run([sys.executable, "main.py", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=240)  # fmt: skip
+    return drive.run(*args, env=drive.user_env(cluster.env, drop=("RAY_AUTH_MODE",)), timeout=240)
 
 
 def test_a_warm_pool_on_the_cluster_is_taken_by_a_launch_there_refilled_and_given_back(cluster, tmp_path):

@@ -19,12 +19,11 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
 
+from . import drive
 from .conftest import REPO, connected, free_port, leftovers
 
 sys.path.insert(0, str(REPO / "bench"))
 from common import throttle
-
-pytestmark = pytest.mark.slow
 
 # Ray declares a node dead after health_check_failure_threshold missed checks, one every
 # health_check_period_ms (defaults: 5 x 3 s): faster here, as the README shows how to set it.
@@ -84,11 +83,8 @@ def cluster():
 
 
 def driver(cluster, job: str, runs: Path, args: str) -> subprocess.Popen:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    argv = [sys.executable, str(REPO / "main.py"), "--job-name", job, "--address", cluster.address]
-    argv += ["--runs-dir", str(runs), *args.split()]
-    return subprocess.Popen(
-        argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    return drive.start(
+        "--job-name", job, "--address", cluster.address, "--runs-dir", str(runs), *args.split()
     )
 
 

@@ -15,10 +15,9 @@ import pytest
 
 from launcher.driver.owned import session_members
 
+from . import drive
 from .conftest import REPO
 from .test_process import PROBE as PROCESS_PROBE
-
-pytestmark = pytest.mark.slow
 
 
 @pytest.fixture
@@ -34,9 +33,7 @@ def env():
 
 
 def megaray(env: dict[str, str], *args: str, timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "main.py", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout
-    )
+    return drive.run(*args, env=env, timeout=timeout)
 
 
 def processes_under(path: str) -> list[str]:
@@ -110,7 +107,10 @@ def test_up_holds_a_local_ray_that_launches_attach_to_and_down_leaves_nothing(en
             assert refused.returncode == 2 and "cannot reach a Ray cluster at 127.0.0.1:9" in refused.stderr
         # the user's own processes that name the cluster's folder: not megaray's to stop
         decoys += [
-            subprocess.Popen(["tail", "-f", f"{state}/ray/session_latest/logs/raylet.out"]),
+            # -F: it follows the name, so a log Ray has not written (yet) cannot end it by itself
+            subprocess.Popen(
+                ["tail", "-F", f"{state}/ray/session_latest/logs/raylet.out"], stderr=subprocess.DEVNULL
+            ),
             subprocess.Popen(
                 [sys.executable, "-c", "import time; time.sleep(600)", f"{state}/ray-notes.txt"]
             ),
