@@ -10,6 +10,16 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
+# Under pytest-xdist each worker is a machine of its own as far as the tests can tell: its own temp
+# dir, so Ray's temp dir (its session_latest and ray_current_cluster), megaray's default runs dir and
+# its rank spools are not shared with the tests another worker runs at the same time. Short: Ray's
+# socket paths under it must fit in 107 bytes.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _own = Path(os.environ.get("TMPDIR") or "/tmp") / os.environ["PYTEST_XDIST_WORKER"]
+    _own.mkdir(exist_ok=True)
+    os.environ["TMPDIR"] = str(_own)
+    tempfile.tempdir = None  # gettempdir() reads TMPDIR again
+
 
 def make_hf_cache(root: Path) -> Path:
     """An HF hub cache holding the fixture configs, as `huggingface_hub` lays one out."""
@@ -89,3 +99,46 @@ def read_ranks(out: Path, name: str, world: int) -> list[dict]:
 @pytest.fixture
 def out(tmp_path) -> Path:
     return tmp_path / "out"
+
+
+# The kinds of test, by module, for `-m` (pyproject.toml lists the markers): `pure` needs no Ray and
+# starts no process; `ray` runs a local Ray in the test's process or in the commands it runs;
+# `cluster` runs several nodes (simulated with ray.cluster_utils, or real `ray start` processes);
+# `netns` three machines in network namespaces; `megatron` needs the megatron extra. `slow` is what
+# the fast loop (`pytest -m "not slow"`) leaves out.
+KINDS = {
+    "test_addresses": ("ray", "slow"),
+    "test_bench": ("cluster", "slow"),
+    "test_demo": ("ray", "slow"),
+    "test_examples": ("ray",),
+    "test_gpu_suite": ("pure",),
+    "test_megatron": ("megatron",),
+    "test_metrics": ("cluster", "slow"),
+    "test_multi_node": ("cluster", "slow"),
+    "test_netns": ("netns", "slow"),
+    "test_one_node": ("ray",),
+    "test_process": ("ray", "slow"),
+    "test_ray_start": ("cluster", "slow"),
+    "test_restarts": ("cluster", "slow"),
+    "test_submit": ("cluster", "slow"),
+    "test_up": ("cluster", "slow"),
+}
+
+# Seconds each module took on 2 cores (fresh clone, `--durations`): pytest-xdist hands whole modules
+# to its workers (`--dist loadfile`, so a module's cluster is started once), longest first, so that
+# no long module starts last while the other worker sits idle.
+SECONDS = {
+    "test_restarts": 326, "test_netns": 242, "test_up": 219, "test_bench": 186, "test_ray_start": 182,
+    "test_one_node": 171, "test_metrics": 131, "test_multi_node": 125, "test_megatron": 92,
+    "test_process": 80, "test_submit": 76, "test_demo": 65, "test_gpu_suite": 37, "test_addresses": 35,
+    "test_examples": 21,
+}  # fmt: skip
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        kinds = KINDS.get(module, ("pure",))
+        for kind in kinds:
+            item.add_marker(kind)
+    items.sort(key=lambda item: -SECONDS.get(item.module.__name__.rsplit(".", 1)[-1], 0))
