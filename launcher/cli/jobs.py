@@ -184,7 +184,9 @@ def _report_end(info, tail: str) -> int:
     return code
 
 
-AGENT_WAIT_S = 30.0  # for a head just started: its job agent registers a few seconds after its dashboard
+# for a head just started: its job agent registers a few seconds after its dashboard, and more than 30 s
+# later on a busy machine (seen on 2 cores with another cluster starting beside it)
+AGENT_WAIT_S = 60.0
 
 
 def _submit(client, spec: SubmitSpec) -> str:
