@@ -125,8 +125,15 @@ KINDS = {
 }
 
 # Seconds each module took on 2 cores (fresh clone, `--durations`): pytest-xdist hands whole modules
-# to its workers (`--dist loadfile`, so a module's cluster is started once), longest first, so that
-# no long module starts last while the other worker sits idle.
+# to its workers (`--dist loadfile`, so a module's cluster is started once) in this order
+# (`--no-loadscope-reorder`), longest first, so that no long module starts last while the other
+# worker sits idle. FIRST go before them all: the namespace cluster's head (../shared/netns/
+# ray-cluster.sh) takes Ray's default job-agent and client-server ports (52365, 10001), which any other
+# Ray started on this machine with defaults would hold first; beside it run test_ray_start (its
+# clusters take free ports), then modules whose Rays start no client server (a Cluster head, a local
+# ray.init: their job agent goes without its port, which they do not use) until it is done: not
+# `megaray up` (test_up, test_bench), which starts `ray start --head` with the defaults.
+FIRST = ("test_netns", "test_ray_start", "test_restarts", "test_one_node")
 SECONDS = {
     "test_restarts": 326, "test_netns": 242, "test_up": 219, "test_bench": 186, "test_ray_start": 182,
     "test_one_node": 171, "test_metrics": 131, "test_multi_node": 125, "test_megatron": 92,
@@ -141,4 +148,9 @@ def pytest_collection_modifyitems(config, items):
         kinds = KINDS.get(module, ("pure",))
         for kind in kinds:
             item.add_marker(kind)
-    items.sort(key=lambda item: -SECONDS.get(item.module.__name__.rsplit(".", 1)[-1], 0))
+
+    def order(item) -> tuple[int, float]:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        return (FIRST.index(module) if module in FIRST else len(FIRST), -SECONDS.get(module, 0))
+
+    items.sort(key=order)

@@ -8,8 +8,10 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -27,12 +29,26 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _listening(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
 @pytest.fixture(scope="module")
 def machines():
     if not SCRIPT.exists():
         pytest.skip(f"no namespace cluster script at {SCRIPT}")
     if os.geteuid() != 0 or shutil.which("ip") is None:
         pytest.skip("network namespaces need root and iproute2 (`ip`)")
+    # The head takes Ray's default job-agent and client-server ports: another Ray of this machine that
+    # holds them (started with defaults) leaves it without a job agent ("No available agent"). The
+    # suite runs this module first (conftest.FIRST); run alone beside another Ray, it waits for them.
+    deadline = time.monotonic() + 180
+    while busy := [p for p in (52365, 10001) if _listening(p)]:
+        assert time.monotonic() < deadline, (
+            f"ports {busy} stay in use by another process: the head needs them"
+        )
+        time.sleep(1)
     # Ray's own health checks as they are by default: a silent node is declared dead after ~65 s (5
     # checks, 10 s timeout each); megaray's probes find it lost within seconds (core/liveness.py).
     up = subprocess.run(

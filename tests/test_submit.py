@@ -57,7 +57,7 @@ def workdir(tmp_path: Path, **files: str) -> Path:
 def test_dry_run_job_streams_topology_and_succeeds(head, token, capsys):
     job = "sub-dry"
     secret = "--env DB_URL=postgres://me:s3cret-pw@db/x --env PLAIN=plain-s3cret"
-    launch = f"--job-name {job} {secret} --dry-run steps=0 --nodes 1 --gpus-per-node 2"  # no training
+    launch = f"--job-name {job} {secret} --nodes 1 --gpus-per-node 2 --dry-run steps=0"  # no training
     rc = main(f"submit --address {head.url} -- {launch}".split())
     out, err = capsys.readouterr()
     assert rc == 0, out[-3000:] + err[-3000:]
