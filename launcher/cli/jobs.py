@@ -184,9 +184,7 @@ def _report_end(info, tail: str) -> int:
     return code
 
 
-# for a head just started: its job agent registers a few seconds after its dashboard, and more than 30 s
-# later on a busy machine (seen on 2 cores with another cluster starting beside it)
-AGENT_WAIT_S = 60.0
+AGENT_WAIT_S = 30.0  # for a head just started: its job agent registers a few seconds after its dashboard
 
 
 def _submit(client, spec: SubmitSpec) -> str:
