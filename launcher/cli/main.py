@@ -8,7 +8,7 @@ import sys
 
 from ..core.errors import MegarayError, RankFailedError
 from ..core.spec import spec_from_args
-from ..core.target import parse_dry_run_options
+from ..core.target import dry_run_trains
 from .commands import COMMANDS, commands_help
 
 log = logging.getLogger("megaray")
@@ -83,8 +83,7 @@ def main(argv: list[str] | None = None, *, exits_after: bool = False) -> int:
         result = launch(spec, exits_after=exits_after)
         if spec.dry_run:
             nodes = len(result.returns) // spec.gpus_per_node  # with --nodes MIN:MAX, the last attempt's
-            asked_to_train = parse_dry_run_options(spec.target.args).get("steps") != 0
-            return _report_dry_run(result.returns, nodes, asked_to_train)
+            return _report_dry_run(result.returns, nodes, dry_run_trains(spec.target.args))
     except RankFailedError as e:
         print(e.report(), file=sys.stderr, flush=True)
         return e.exit_code

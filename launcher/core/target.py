@@ -94,6 +94,11 @@ def parse_dry_run_options(args: list[str] | tuple[str, ...]) -> dict[str, Any]:
     return options
 
 
+def dry_run_trains(args: list[str] | tuple[str, ...]) -> bool:
+    """Whether the dry run trains after its check: unless `steps=0` (where megatron-core is there)."""
+    return parse_dry_run_options(args).get("steps") != 0
+
+
 def check_target_locally(target: Target, cwd: str) -> None:
     """Catch a missing script or entrypoint in the driver, before anything is placed.
 

@@ -13,7 +13,7 @@ import socket
 from datetime import timedelta
 from typing import Any
 
-from ..core.target import parse_dry_run_options
+from ..core.target import dry_run_trains, parse_dry_run_options
 from .compat import installed
 
 
@@ -27,7 +27,7 @@ def check_and_train(*args: str) -> dict[str, Any]:
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     try:
         result = check()
-        if options.get("steps") != 0 and installed("megatron.core"):
+        if dry_run_trains(args) and installed("megatron.core"):
             from .tiny_gpt import train
 
             result["training"] = train(**options)

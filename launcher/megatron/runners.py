@@ -12,7 +12,7 @@ from typing import Any
 from ..core.refs import split_ref
 from ..core.runner import BASE_IMPORTS, TargetRunner
 from ..core.spec import LaunchSpec
-from ..core.target import Target, TargetKind, parse_dry_run_options
+from ..core.target import Target, TargetKind, dry_run_trains, parse_dry_run_options
 
 log = logging.getLogger("megaray")
 
@@ -68,7 +68,7 @@ class DryRunRunner(TargetRunner):
         return check_and_train(*target.args)
 
     def warm_imports(self, target: Target) -> tuple[str, ...]:
-        if parse_dry_run_options(target.args).get("steps") == 0:
+        if not dry_run_trains(target.args):
             return BASE_IMPORTS  # the check alone: Megatron is never imported
         return (*BASE_IMPORTS, *DRY_RUN_IMPORTS)
 
