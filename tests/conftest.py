@@ -142,15 +142,13 @@ SECONDS = {
 }  # fmt: skip
 
 
+def _module(item) -> str:
+    return item.module.__name__.rsplit(".", 1)[-1]
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        kinds = KINDS.get(module, ("pure",))
-        for kind in kinds:
+        for kind in KINDS.get(_module(item), ("pure",)):
             item.add_marker(kind)
-
-    def order(item) -> tuple[int, float]:
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        return (FIRST.index(module) if module in FIRST else len(FIRST), -SECONDS.get(module, 0))
-
-    items.sort(key=order)
+    first = {module: i for i, module in enumerate(FIRST)}
+    items.sort(key=lambda item: (first.get(_module(item), len(FIRST)), -SECONDS.get(_module(item), 0)))

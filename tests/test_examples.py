@@ -16,6 +16,7 @@ import yaml
 
 from launcher.core.spec import spec_from_args
 
+from . import drive
 from .conftest import REPO, free_port
 
 SBATCH = REPO / "examples" / "slurm" / "ray.sbatch"
@@ -35,7 +36,7 @@ def test_the_sbatch_script_parses_and_passes_shellcheck():
 def test_the_sbatch_script_brings_up_ray_runs_a_dry_run_and_stops_ray(tmp_path):
     port, dash = free_port(), free_port()
     env = {
-        **{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("SLURM_")},
+        **drive.user_env(drop=("SLURM_",)),
         "PATH": os.path.dirname(sys.executable) + os.pathsep + os.environ["PATH"],
         "PYTHON": sys.executable,
         "SLURM_JOB_ID": "4242",

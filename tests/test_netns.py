@@ -23,10 +23,9 @@ SCRIPT = REPO.parent / "shared" / "netns" / "ray-cluster.sh"
 
 
 def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")  # this venv's `ray`
-    env["RAY_AUTH_MODE"] = "token"  # the script's cluster uses token authentication, as Ray 2.60 sets it up
-    return env
+    # this venv's `ray`; the script's cluster uses token authentication, as Ray 2.60 sets it up
+    path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
+    return drive.user_env(PATH=path, RAY_AUTH_MODE="token")
 
 
 def _listening(port: int) -> bool:
@@ -80,7 +79,7 @@ def test_an_unchanged_gloo_program_runs_across_three_machines_in_numeric_ip_orde
 def test_submit_runs_a_job_through_the_head_s_dashboard_on_its_namespace_ip(machines):
     # The driver runs as a Ray job on the head (10.77.0.10); its ranks land on all three machines.
     dashboard = "http://" + machines.replace(":36500", ":36501")
-    env = {k: v for k, v in _env().items() if k != "RAY_AUTH_MODE"}  # megaray finds the token itself
+    env = drive.user_env(_env(), drop=("RAY_AUTH_MODE",))  # megaray finds the token itself
     # steps=0: the rendezvous check alone, which is what crosses the machines; training is tested elsewhere
     cmd = ["submit", "--address", dashboard, "--", "--job-name", "nssubmit",
            "--device", "cpu", "--nodes", "3", "--dry-run", "steps=0"]  # fmt: skip

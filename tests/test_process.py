@@ -66,10 +66,7 @@ COMPARED_APART = {"env_names": unexpected_names, "preloaded": unexpected_modules
 def base_env(tmp_path: Path) -> dict[str, str]:
     home = tmp_path / "home"
     home.mkdir(exist_ok=True)
-    env = {
-        k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith(("RAY_AUTH", "PYTHON"))
-    }
-    return {**env, "HOME": str(home)}
+    return drive.user_env(drop=("RAY_AUTH", "PYTHON"), HOME=str(home))
 
 
 def probe_dir(tmp_path: Path, name: str) -> tuple[Path, Path]:

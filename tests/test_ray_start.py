@@ -190,7 +190,7 @@ def test_an_address_that_is_not_the_gcs_is_refused_at_once(cluster, tmp_path):
     ],
 )
 def test_token_problems_are_one_line_at_once(cluster, tmp_path, env, message):
-    base = {k: v for k, v in cluster.env.items() if not k.startswith("RAY_AUTH_")}
+    base = drive.user_env(cluster.env, drop=("RAY_AUTH_",))
     base.update({"HOME": str(tmp_path), "RAY_AUTH_TOKEN_PATH": str(cluster.token_path), **env})
     t0 = time.monotonic()
     done = drive.run(

@@ -19,6 +19,7 @@ import pytest
 
 from launcher.cli import main
 
+from . import drive
 from .conftest import REPO, free_port
 from .raycluster import start_cluster
 
@@ -163,9 +164,9 @@ def test_bad_launch_arguments_create_no_job(head, token, capsys, launch, message
 def test_token_problems_are_explained(head, tmp_path):
     # Fresh processes, as users run it: Ray caches the token mode and the token once per process.
     def listing(*args: str, **env: str) -> subprocess.CompletedProcess:
-        base = {k: v for k, v in os.environ.items() if not k.startswith("RAY_AUTH") and k != "RAY_ADDRESS"}
         cmd = [sys.executable, "-m", "launcher", *(args or ("list", "--address", head.url))]
-        return subprocess.run(cmd, cwd=REPO, env={**base, **env}, capture_output=True, text=True, timeout=60)
+        env = drive.user_env(drop=("RAY_AUTH",), **env)
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
 
     wrong = listing(RAY_AUTH_TOKEN="not-the-token")
     assert wrong.returncode == 2 and "rejected the token sent" in wrong.stderr

@@ -22,7 +22,7 @@ from .test_process import PROBE as PROCESS_PROBE
 
 @pytest.fixture
 def env():
-    e = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS" and not k.startswith("RAY_AUTH_")}
+    e = drive.user_env(drop=("RAY_AUTH_",))
     # not the user's own `megaray up`; short, for the Unix sockets under Ray's temp dir in there
     e["MEGARAY_STATE_DIR"] = tempfile.mkdtemp(prefix="mru-", dir="/tmp")
     # a fresh machine's: no Ray token in it, whatever an earlier test or session left in the real one
