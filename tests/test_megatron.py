@@ -155,7 +155,7 @@ def test_relaunches_resume_from_the_recipe_checkpoints_and_nccl_outlasts_the_han
     runner = runner_for(spec.target)
     align_timeouts, resume_target = runner.first_target, runner.resume_target
     cfg = build_config(spec.target.recipe, list(spec.target.args))[0]
-    plan = Plan(layout=None, config=cfg, facts=facts_from_config(cfg))
+    plan = Plan.of(None, cfg)
     assert cfg.dist.distributed_timeout_minutes * 60 <= 900  # bridge's default would fire first
     first = align_timeouts(spec, plan)
     assert first.args[-1] == "dist.distributed_timeout_minutes=17"
@@ -180,7 +180,7 @@ def test_a_finetuning_relaunch_resumes_from_its_own_checkpoints_once_it_has_save
     resume_target = runner_for(spec.target).resume_target
     cfg = build_config(spec.target.recipe, list(spec.target.args))[0]
     assert cfg.checkpoint.load not in (None, str(save))  # the recipe's own folder
-    plan = Plan(layout=None, config=cfg, facts=facts_from_config(cfg))
+    plan = Plan.of(None, cfg)
     assert resume_target(spec.target, plan) == spec.target  # nothing saved yet
     save.mkdir()
     (save / "latest_checkpointed_iteration.txt").write_text("50")
@@ -259,14 +259,19 @@ def test_check_with_a_node_range_accepts_the_counts_the_layout_fits(capsys):
     assert main(["--check", "--recipe", "deepseek_v2_lite", "--nodes", "3:3", "--gpus-per-node", "8"]) == 2
 
 
-def test_a_layout_that_does_not_fit_exits_2_before_any_ray(capsys):
+def test_a_layout_that_does_not_fit_exits_2_and_leaves_nothing(capsys, tmp_path):
+    # the preflight runs beside connecting and placing (megatron/preflight_process.py): its refusal is
+    # the error told, even where placing failed first (no GPUs here), and no run directory is left
     import ray
 
-    assert main(["--recipe", "deepseek_v2_lite", "--nodes", "1", "--gpus-per-node", "4"]) == 2
+    runs = tmp_path / "runs"
+    argv = ["--recipe", "deepseek_v2_lite", "--nodes", "1", "--gpus-per-node", "4", "--runs-dir", str(runs)]
+    assert main(argv) == 2
     err = capsys.readouterr().err
     assert "TP 8 must fit within one node of 4 GPUs" in err
     assert "TP 8 x PP 1 x CP 1 = 8 does not divide world size 4 (--nodes 1 x --gpus-per-node 4)" in err
-    assert not ray.is_initialized()
+    assert "Traceback" not in err and not ray.is_initialized()
+    assert not runs.exists() or not any(runs.iterdir())
 
 
 def test_unknown_recipe_lists_the_files_and_suggests_bridge_s_own(capsys):

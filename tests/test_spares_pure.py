@@ -37,7 +37,9 @@ def test_every_kind_of_target_has_a_runner_and_plain_programs_resume_themselves(
     assert set(RUNNERS) == set(TargetKind)
     spec = spec_from_args(["train.py", "--lr", "1"])
     runner = runner_for(spec.target)
-    assert runner.preflight(spec) is None and runner.first_target(spec, None) == spec.target
+    verdict = runner.preflight(spec)  # nothing to check, known at once
+    assert verdict.ready() and verdict.result() is None and not verdict.in_background
+    assert runner.first_target(spec, None) == spec.target
     assert runner.resume_target(spec.target, None) == spec.target  # TORCHELASTIC_RESTART_COUNT tells it
     assert runner.relays_output and not runner_for(Target("group", "rank group")).relays_output
     assert {f.rsplit("/", 2)[-2] + "/" + f.rsplit("/", 1)[-1] for f in runner.own_files()} == {

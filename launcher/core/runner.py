@@ -12,12 +12,41 @@ from __future__ import annotations
 
 import inspect
 import os
+import time
+from collections.abc import Callable
 from typing import Any
 
 from .spec import LaunchSpec
 from .target import Target
 
 BASE_IMPORTS = ("torch", "torch.distributed")
+
+
+class Verdict:
+    """The preflight's answer: a plan the driver's other hooks read (None: nothing was checked), or a
+    refusal (UsageError). This one is known at once; a preflight that takes seconds (Megatron-Bridge's
+    import and config) answers from a process of its own (megatron/preflight_process.py) while the
+    driver connects and the ranks start, so nothing waits for it before training starts."""
+
+    in_background = False  # still being worked out somewhere else: the ranks may import meanwhile
+
+    def __init__(self, plan: Any = None):
+        self._plan = plan
+        self.refusal: BaseException | None = None  # the error `ready()` raised, once it has
+
+    def ready(self) -> bool:
+        """Whether the answer is in; raises the refusal the first time it is asked after it came."""
+        return True
+
+    def result(self, wait: Callable[[], None] = lambda: None, poll_s: float = 0.05) -> Any:
+        """The plan, once in; `wait` runs between polls (the driver's stop check, which may raise)."""
+        while not self.ready():
+            wait()
+            time.sleep(poll_s)
+        return self._plan
+
+    def cancel(self) -> None:
+        """No answer is wanted any more (the launch ended first): stop working it out."""
 
 
 class TargetRunner:
@@ -54,9 +83,9 @@ class TargetRunner:
         return tuple({inspect.getfile(c) for c in type(self).__mro__ if c is not object})
 
     # -- in the driver ------------------------------------------------------------------------------
-    def preflight(self, spec: LaunchSpec) -> Any:
-        """What can be checked before anything is placed; returns a plan the other hooks read."""
-        return None
+    def preflight(self, spec: LaunchSpec) -> Verdict:
+        """What can be checked before the program starts: its verdict, now or on its way."""
+        return Verdict()
 
     def first_target(self, spec: LaunchSpec, plan: Any) -> Target:
         """The target of the first attempt (the spec's, or one adjusted to megaray's own settings)."""

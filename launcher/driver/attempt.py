@@ -17,6 +17,7 @@ from ..core.elastic import GrowPolicy
 from ..core.errors import RankFailedError
 from ..core.metrics import MetricsMode, rank_labels
 from ..core.spec import LaunchSpec
+from ..core.target import Target
 from .cluster import Cluster
 from .gang import RankGang, env_records
 from .grow import GrowWatch
@@ -29,6 +30,7 @@ from .spares import SparePool
 from .stop import StopSignal
 from .stragglers import StragglerWatch
 from .supervise import supervise
+from .targets import runner_for
 
 log = logging.getLogger("megaray")
 
@@ -44,6 +46,16 @@ class LaunchResult:
     ranks: tuple[RankInfo, ...]
     returns: tuple[Any, ...]  # what each rank's target returned, by rank
     timings: dict[str, float] = field(default_factory=dict)
+
+
+def import_ahead(actors: list, target: Target) -> None:
+    """Each rank imports what its program will (the target's warm imports, with the env it has now)
+    while the driver waits for the preflight's verdict; the program's run queues behind it in the
+    actor. An import that fails is left to the program, which reports it."""
+    steps = runner_for(target).warm_imports(target)
+    for a in actors:
+        a.warm.remote({}, steps, False)
+    log.info("the ranks import %s while the preflight runs", ", ".join(steps))
 
 
 class Attempt:
@@ -65,15 +77,22 @@ class Attempt:
         growing: bool = False,
         metrics: JobMetrics | None = None,
         parallel_dims: Callable[[LaunchSpec], tuple[int, int, int] | None] = lambda spec: None,
+        target: Callable[[], Target] | None = None,
+        imports_first: bool = False,
     ):
         """`lost_nodes`: the launch's nodes found lost so far, not placed on again (unless they answer
         again); this attempt adds those it finds. `grow`: with --nodes MIN:MAX, when an attempt below
         MAX ends to relaunch on more nodes (driver/grow.py); `growing`: this attempt is such a relaunch.
         `metrics`: the job's (driver/metrics.py), told of this attempt's ranks; `parallel_dims`: the
-        target's TP, PP and CP at this attempt's size, for the ranks' labels."""
+        target's TP, PP and CP at this attempt's size, for the ranks' labels. `target`: the program
+        to run, asked for once the ranks are started (the first attempt's waits for the preflight's
+        verdict), else the spec's; `imports_first`: meanwhile the ranks import what their program
+        will (the target's warm imports), so that the wait costs nothing."""
         self.spec, self.number, self.stop, self.run, self.progress = spec, number, stop, run, progress
         self.metrics = metrics if metrics is not None else JobMetrics(spec.job_name, MetricsMode.OFF)
         self.parallel_dims = parallel_dims
+        self.target = target or (lambda: spec.target)
+        self.imports_first = imports_first
         self.asked = spec.node_range  # the spec becomes this attempt's own once placed (--nodes MIN:MAX)
         self.size_problem, self.grow_policy = size_problem, grow
         self.grow: GrowWatch | None = None  # once placed below MAX nodes
@@ -126,14 +145,18 @@ class Attempt:
         )
 
     def start(self) -> None:
-        """Every rank's actor, port and env, recorded in the run directory; then the program starts."""
+        """Every rank's actor, port and env, recorded in the run directory; then the program starts
+        (the first attempt's once the preflight's verdict is in: its ranks import meanwhile)."""
         spec, gang = self.spec, self.gang
         where = [(s.node_id, s.node_ip) for s in gang.slots]
-        labels = rank_labels(spec.job_name, spec.metrics, where, self.parallel_dims(spec), spec.peak_tflops)
+        on = spec.metrics is not MetricsMode.OFF
+        known = on and not self.imports_first  # else the layout comes with the verdict, below
+        labels = rank_labels(
+            spec.job_name, spec.metrics, where, self.parallel_dims(spec) if known else None, spec.peak_tflops
+        )
         self.metrics.attempt(spec.world_size, spec.nodes, labels)
         self.progress.world_size = spec.world_size  # TFLOP/s per GPU of this attempt's GPUs
         try:
-            on = spec.metrics is not MetricsMode.OFF
             outputs = self.relay.forward_from({s.node_id for s in gang.slots}, labels if on else None)
             envs = gang.start(self.relay.sink, outputs)
         except RankFailedError as e:  # a node lost while the ranks started
@@ -143,6 +166,14 @@ class Attempt:
         nodes = {"asked": str(asked), "running": size.nodes, "why": size.describe(asked)} if size else None
         self.run.write_topology(gang.master, [dataclasses.asdict(r) for r in gang.ranks], nodes)
         self.run.write_env(env_records(gang.handles, envs))
+        if self.imports_first and not gang.adopted:
+            import_ahead(gang.actors, spec.target)
+        self.spec = spec = dataclasses.replace(spec, target=self.target())
+        if on and not known and (dims := self.parallel_dims(spec)) is not None:
+            labels = rank_labels(spec.job_name, spec.metrics, where, dims, spec.peak_tflops)
+            self.metrics.attempt(spec.world_size, spec.nodes, labels)
+            for node, forwarder in outputs.items():
+                forwarder.relabel.remote(labels[node])
         self.refs = gang.run(spec.target, spec.cwd)
         gang.mark("started")
 

@@ -1,22 +1,27 @@
-"""A launch from start to end, read top-down: preflight, connect, then the controller
+"""A launch from start to end, read top-down: the preflight started, connect, then the controller
 (driver/controller.py) steps through the states of each attempt (driver/attempt.py) until one
 succeeds or the failure policy gives up; the run directory records it all, however it ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import shutil
 import signal
+import time
 from dataclasses import replace
+from typing import Any
 
 from ..core.elastic import GrowPolicy
-from ..core.errors import Interrupted
+from ..core.errors import Interrupted, MegarayError
 from ..core.outcome import run_outcome
 from ..core.policy import FailurePolicy
 from ..core.profiles import load_profile
 from ..core.progress import TrainingFacts
+from ..core.runner import TargetRunner, Verdict
 from ..core.spec import LaunchSpec
-from ..core.target import check_target_locally
+from ..core.target import Target, check_target_locally
 from .attempt import Attempt, LaunchResult
 from .cluster import connect
 from .controller import Controller
@@ -53,12 +58,47 @@ def launch(spec: LaunchSpec, *, exits_after: bool = False) -> LaunchResult:
 def _launch(spec: LaunchSpec, exits_after: bool, early: EarlyInterrupt) -> LaunchResult:
     check_target_locally(spec.target, spec.cwd)
     profile = load_profile(spec.env_profile) if spec.env_profile else {}
+    runs_root(spec.run_dir)  # bad input, said before anything starts
     runner = runner_for(spec.target)
-    plan = runner.preflight(spec)
-    early.check()  # a Ctrl-C its imports swallowed
-    runs_root(spec.run_dir)  # bad input, said before connecting
-    stop = StopSignal()
-    progress = ProgressView(plan.facts if plan else TrainingFacts(), spec.world_size, spec.peak_tflops)
+    verdict = runner.preflight(spec)  # on its way while the driver connects and the ranks start
+    try:
+        return _run(spec, exits_after, early, runner, verdict, profile)
+    finally:
+        verdict.cancel()
+
+
+class _Plan:
+    """The preflight's plan, waited for where it is first needed: the first attempt's target, just
+    before its program starts (or, with --nodes MIN:MAX or metrics, where placing or labelling needs
+    the layout). A refusal raises there, or in any wait loop before (StopSignal's `also`)."""
+
+    def __init__(self, verdict: Verdict, stop: StopSignal, progress: ProgressView):
+        self.verdict, self.stop, self.progress = verdict, stop, progress
+        self.run: RunDir | None = None
+        self._plan: list[Any] = []
+
+    def __call__(self) -> Any:
+        if not self._plan:
+            t0 = time.monotonic()
+            plan = self.verdict.result(self.stop.check)
+            if self.verdict.in_background and (waited := time.monotonic() - t0) >= 0.1:
+                log.info("waited %.1f s for the preflight", waited)
+            if plan is not None:
+                self.progress.facts = plan.facts
+                if self.run is not None:
+                    self.run.write_config(plan.config_yaml)
+            self._plan.append(plan)
+        return self._plan[0]
+
+
+def _run(
+    spec: LaunchSpec, exits_after: bool, early: EarlyInterrupt, runner: TargetRunner, verdict: Verdict,
+    profile: dict[str, str],
+) -> LaunchResult:  # fmt: skip
+    early.check()  # a Ctrl-C swallowed so far
+    stop = StopSignal(also=verdict.ready)
+    progress = ProgressView(TrainingFacts(), spec.world_size, spec.peak_tflops)
+    plan = _Plan(verdict, stop, progress)
     controller: Controller | None = None
     run: RunDir | None = None  # made once connected: a launch that never reached a cluster left nothing
     error: BaseException | None = None
@@ -67,24 +107,32 @@ def _launch(spec: LaunchSpec, exits_after: bool, early: EarlyInterrupt) -> Launc
         # end the driver without teardown.
         with connect(spec, exits_after=exits_after) as cluster, stop.installed():
             early.check()
-            run = RunDir(spec.run_dir)
+            stop.check()  # a refusal that came while connecting
+            run = plan.run = RunDir(spec.run_dir)
             run.write_spec(spec)
-            if plan is not None:
-                run.write_config(plan.config)
             if spec.forwarded:
                 names = ", ".join(k for k, _ in spec.forwarded)
                 log.info("every rank gets these variables of this shell (values not shown): %s", names)
-            first_target = runner.first_target(spec, plan)
+            first: list[Target] = []
+
+            def first_target() -> Target:
+                if not first:
+                    first.append(runner.first_target(spec, plan()))
+                return first[0]
+
             lost_nodes: set[str] = set()  # found by any attempt, avoided by the next
             grow = GrowPolicy(runner.grows_at_checkpoint, spec.grow_after_s)  # with --nodes MIN:MAX
             metrics = JobMetrics(spec.job_name, spec.metrics)  # once connected: Ray exports them
 
             def new_attempt(k: int, spares: SparePool | None, growing: bool) -> Attempt:
-                target = first_target if k == 0 else runner.resume_target(first_target, plan)
+                # the first attempt's target once its ranks are started (they import meanwhile)
+                later = None if k == 0 else runner.resume_target(first_target(), plan())
                 return Attempt(
-                    replace(spec, target=target), k, cluster, profile, stop, run, progress, spares,
-                    lost_nodes, size_problem=lambda nodes: runner.size_problem(spec, plan, nodes), grow=grow,
-                    growing=growing, metrics=metrics, parallel_dims=lambda s: runner.parallel_dims(s, plan),
+                    replace(spec, target=later) if later else spec, k, cluster, profile, stop, run, progress,
+                    spares, lost_nodes, size_problem=lambda nodes: runner.size_problem(spec, plan(), nodes),
+                    grow=grow, growing=growing, metrics=metrics,
+                    parallel_dims=lambda s: runner.parallel_dims(s, plan()),
+                    target=first_target if k == 0 else None, imports_first=k == 0 and verdict.in_background,
                 )  # fmt: skip
 
             controller = Controller(
@@ -100,9 +148,19 @@ def _launch(spec: LaunchSpec, exits_after: bool, early: EarlyInterrupt) -> Launc
                 refill()
     except BaseException as e:
         error = e
+        if isinstance(e, MegarayError) and not isinstance(e, Interrupted) and verdict.in_background:
+            # a failure while the preflight was still out (no room to place, a rank dying as it
+            # imports): a recipe it refuses is the root cause to tell, as bad input (seconds away)
+            with contextlib.suppress(MegarayError):
+                verdict.result()
+            if verdict.refusal is not None:
+                error = verdict.refusal
+                raise error from None
         raise
     finally:
-        if run is not None:
+        if run is not None and error is not None and error is verdict.refusal:
+            shutil.rmtree(run.path, ignore_errors=True)  # bad input leaves nothing behind
+        elif run is not None:
             _record(run, spec, error, controller, progress)
 
 

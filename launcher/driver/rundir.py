@@ -92,9 +92,9 @@ class RunDir:
     def write_spec(self, spec: Any) -> None:
         self.write_json("spec.json", spec_record(spec))
 
-    def write_config(self, cfg: Any) -> None:
-        """The resolved Megatron-Bridge config, as bridge itself writes it."""
-        cfg.to_yaml(str(self.path / "config.yaml"))
+    def write_config(self, text: str) -> None:
+        """The resolved Megatron-Bridge config, as bridge itself writes it (megatron/preflight.py)."""
+        (self.path / "config.yaml").write_text(text)
         os.chmod(self.path / "config.yaml", 0o600)
 
     def write_topology(

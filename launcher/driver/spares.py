@@ -127,9 +127,10 @@ class SparePool:
         if cuda:
             from ..core.topology import format_rank_ranges
 
+            where = next((w["cuda_initialized_at"] for w in results if w.get("cuda_initialized_at")), None)
             raise SparesUnusable(
-                f"importing initialized CUDA in the spare(s) of rank(s) {format_rank_ranges(cuda)}, which "
-                "would leave a context on the node's first GPU"
+                f"importing initialized CUDA in the spare(s) of rank(s) {format_rank_ranges(cuda)}"
+                f"{f' (at {where})' if where else ''}, which would leave a context on the node's first GPU"
             )
         self.state = SpareState.ADOPTED
         return [dataclasses.replace(r, gpu_ids=ids) for r, ids in zip(reports, self.gpu_ids, strict=True)]

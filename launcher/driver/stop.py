@@ -7,7 +7,7 @@ import contextlib
 import signal
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from ..core.errors import Interrupted
 
@@ -21,15 +21,20 @@ class StopSignal:
     their SIGTERM) go on, and only a second signal cuts them short.
     """
 
-    def __init__(self):
+    def __init__(self, also: Callable[[], object] | None = None):
+        """`also`: asked at every check too, and may raise to end the launch the same way (the
+        preflight's refusal, arriving while the driver places or starts the ranks)."""
         self.signum: int | None = None
         self.received = 0  # signals the handler saw
         self.acted_on = 0  # of those, raised as Interrupted
+        self.also = also
 
     def check(self) -> None:
         if self.received > self.acted_on:
             self.acted_on = self.received
             raise Interrupted(self.signum, signal.Signals(self.signum).name)
+        if self.also is not None:
+            self.also()
 
     def receive(self, signum: int) -> None:
         """What the handler does; a second signal while stopping stops waiting for anything."""

@@ -1,13 +1,17 @@
-"""Preflight: build the Megatron config in the driver, on CPU, and check its layout before placing.
+"""Preflight: build the Megatron config on CPU and check its layout and memory before training starts.
 
-A layout that does not fit exits 2 before any placement group exists. The driver needs
-megatron-bridge for this; without it the launch goes on and the ranks find out themselves.
+A launch runs it in a process of its own, beside connecting and starting the ranks
+(megatron/preflight_process.py); `--check` runs it here. A layout that does not fit exits 2 with
+nothing left running. It needs megatron-bridge where the driver runs; without it the launch goes on
+and the ranks find out themselves.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import os
+import tempfile
 import time
 import warnings
 from collections.abc import Iterator
@@ -25,12 +29,37 @@ log = logging.getLogger("megaray")
 
 @dataclass(frozen=True)
 class Plan:
-    """What the preflight learned: the layout, the resolved config (for the run directory), and
-    the facts progress reporting needs (sequence length, batch, iterations, FLOPs per token)."""
+    """What the preflight learned, as plain values (it crosses from the preflight's process to the
+    driver, which never imports Megatron): the layout, the resolved config as bridge writes it (for
+    the run directory), the facts progress reporting needs (sequence length, batch, iterations, FLOPs
+    per token), and what a relaunch and the hang timeout read of the config."""
 
-    layout: Layout
-    config: Any
+    layout: Layout | None
+    config_yaml: str
     facts: TrainingFacts
+    timeout_minutes: int  # dist.distributed_timeout_minutes
+    checkpoint_save: str | None
+    checkpoint_load: str | None
+
+    @classmethod
+    def of(cls, layout: Layout | None, cfg: Any) -> Plan:
+        ckpt = cfg.checkpoint
+        return cls(
+            layout, config_yaml(cfg), facts_from_config(cfg), int(cfg.dist.distributed_timeout_minutes),
+            str(ckpt.save) if ckpt.save else None, str(ckpt.load) if ckpt.load else None,
+        )  # fmt: skip
+
+
+def config_yaml(cfg: Any) -> str:
+    """The config as bridge's own `to_yaml` writes it (the representers it needs are bridge's)."""
+    fd, path = tempfile.mkstemp(prefix="megaray-config-", suffix=".yaml")
+    os.close(fd)
+    try:
+        cfg.to_yaml(path)
+        with open(path) as f:
+            return f.read()
+    finally:
+        os.unlink(path)
 
 
 @contextlib.contextmanager
@@ -109,7 +138,7 @@ def _preflight(spec: LaunchSpec) -> Plan | None:
         spec.world_size,
         time.monotonic() - t0,
     )
-    return Plan(layout, cfg, facts_from_config(cfg))
+    return Plan.of(layout, cfg)
 
 
 def data_problems(cfg: Any) -> list[str]:

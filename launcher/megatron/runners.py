@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..core.refs import split_ref
-from ..core.runner import BASE_IMPORTS, TargetRunner
+from ..core.runner import BASE_IMPORTS, TargetRunner, Verdict
 from ..core.spec import LaunchSpec
 from ..core.target import Target, TargetKind, dry_run_trains, parse_dry_run_options
 
@@ -97,10 +97,12 @@ class MegatronRunner(TargetRunner):
             "launcher.megatron.bridge_target",
         )
 
-    def preflight(self, spec: LaunchSpec) -> Any:
-        from .preflight import preflight
+    def preflight(self, spec: LaunchSpec) -> Verdict:
+        if spec.target.recipe is None:
+            return Verdict()
+        from .preflight_process import PreflightProcess
 
-        return preflight(spec)
+        return PreflightProcess.start(spec)
 
     def first_target(self, spec: LaunchSpec, plan: Any) -> Target:
         return align_timeouts(spec, plan)
@@ -145,7 +147,7 @@ def align_timeouts(spec: LaunchSpec, plan: Any) -> Target:
     target = spec.target
     if plan is None or not spec.hang_timeout_s:
         return target
-    minutes = plan.config.dist.distributed_timeout_minutes
+    minutes = plan.timeout_minutes
     if minutes * 60 > spec.hang_timeout_s + 60:
         return target
     if any(a.startswith("dist.distributed_timeout_minutes=") for a in target.args):
@@ -172,10 +174,10 @@ def resume_target(target: Target, plan: Any) -> Target:
         return target
     from .bridge_target import has_checkpoint
 
-    ckpt = plan.config.checkpoint
-    if not ckpt.save or ckpt.load == ckpt.save or any(a.startswith("checkpoint.load=") for a in target.args):
+    save, load = plan.checkpoint_save, plan.checkpoint_load
+    if not save or load == save or any(a.startswith("checkpoint.load=") for a in target.args):
         return target
-    if ckpt.load and not has_checkpoint(ckpt.save):
+    if load and not has_checkpoint(save):
         return target
-    log.info("the relaunch resumes from the recipe's checkpoints: checkpoint.load=%s", ckpt.save)
-    return replace(target, args=(*target.args, f"checkpoint.load={ckpt.save}"))
+    log.info("the relaunch resumes from the recipe's checkpoints: checkpoint.load=%s", save)
+    return replace(target, args=(*target.args, f"checkpoint.load={save}"))

@@ -129,11 +129,13 @@ class RankActor:
 
         return reach(host, port, timeout_s)
 
-    def warm(self, env: dict[str, str], steps: tuple[str, ...]) -> dict[str, Any]:
-        """As a spare for the next attempt: take the env and do the imports now (driver/spares.py)."""
+    def warm(self, env: dict[str, str], steps: tuple[str, ...], quiet: bool = True) -> dict[str, Any]:
+        """Take the env and do the imports now: as a spare for the next attempt (driver/spares.py,
+        `quiet`: its ranks printed the imports' warnings already), or as a rank whose program waits
+        for the preflight's verdict (driver/gang.py `import_ahead`)."""
         from .warmup import warm
 
-        return warm(env, steps)
+        return warm(env, steps, quiet)
 
     def setup(
         self,

@@ -70,6 +70,12 @@ class NodeForwarder:
         self.added += 1
         self._wake_sender(urgent=rank in self.held.console)
 
+    async def relabel(self, labels: RankLabels) -> None:
+        """The ranks' coordinates (TP, PP, DP), once the preflight knows the layout: before the
+        program starts, so before any report (driver/attempt.py)."""
+        if self.metrics is not None:
+            self.metrics.labels = labels
+
     async def report(self, rank: int, record: dict[str, Any]) -> None:
         if self.metrics is not None:
             self.metrics.report(rank, record)

@@ -9,6 +9,7 @@ import os
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Iterator
 from typing import Any
 
@@ -31,9 +32,62 @@ def _quiet() -> Iterator[None]:
             os.close(fd)
 
 
-def warm(env: dict[str, str], steps: tuple[str, ...]) -> dict[str, Any]:
-    """In the spare: the rank's env first (OpenMP and CUDA read theirs when they load), then the
-    imports. An import that fails is left to the rank, which reports it with its traceback."""
+class CudaQueries:
+    """While the warm imports run, torch's device queries answered without a CUDA context.
+
+    nvidia-modelopt, which Megatron-Bridge imports, asks `torch.cuda.get_device_capability()` at
+    import (to choose its Hopper kernels); torch answers by making a context on the current device,
+    the node's first GPU, before the rank has picked its own: in a spare, beside the running rank's.
+    NVML answers the same question without one (rank/nvml.py), where every GPU of the node agrees.
+    Whatever still initializes CUDA is let through (a wrong answer would be baked into a module) and
+    its place recorded, so the spare can say why it cannot take over."""
+
+    def __init__(self):
+        self.torch: Any = None
+        self.saved: dict[str, Any] = {}
+        self.initialized_at: str | None = None
+
+    def install(self) -> None:
+        """Once torch is imported (the imports start with it); again is a no-op."""
+        torch = sys.modules.get("torch")
+        if torch is None or self.torch is not None or torch.cuda.is_initialized():
+            return
+        self.torch = torch
+        if not torch.cuda.is_available():  # through NVML here: no GPU, nothing to shield
+            return
+        from .nvml import compute_capability
+
+        cuda = torch.cuda
+        self.saved = {"get_device_capability": cuda.get_device_capability, "_lazy_init": cuda._lazy_init}
+        if (cap := compute_capability()) is not None:
+            cuda.get_device_capability = lambda device=None: cap
+        real_init = self.saved["_lazy_init"]
+
+        def lazy_init() -> None:
+            if self.initialized_at is None and not cuda.is_initialized():
+                self.initialized_at = _caller_outside(os.path.dirname(torch.__file__))
+            real_init()
+
+        cuda._lazy_init = lazy_init
+
+    def restore(self) -> None:
+        for name, fn in self.saved.items():
+            setattr(self.torch.cuda, name, fn)
+        self.saved = {}
+
+
+def _caller_outside(folder: str) -> str:
+    """`file:line` of the innermost frame not in `folder` (torch's own), nor in this file."""
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        if not frame.filename.startswith(folder) and frame.filename != __file__:
+            return f"{frame.filename}:{frame.lineno}"
+    return "?"
+
+
+def warm(env: dict[str, str], steps: tuple[str, ...], quiet: bool = True) -> dict[str, Any]:
+    """The rank's env first (OpenMP and CUDA read theirs when they load), then the imports. An
+    import that fails is left to the rank, which reports it with its traceback. `quiet`: in a
+    spare, whose rank printed the imports' warnings already."""
     os.environ.update(env)
     before = set(os.environ)
     # torch.cuda.is_available() through NVML, as a check at import must not create a CUDA context
@@ -41,8 +95,9 @@ def warm(env: dict[str, str], steps: tuple[str, ...]) -> dict[str, Any]:
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     t0 = time.monotonic()
     failed: dict[str, str] = {}
+    queries = CudaQueries()
     try:
-        with _quiet():
+        with _quiet() if quiet else contextlib.nullcontext():
             for step in steps:
                 module, func = split_ref(step)
                 try:
@@ -51,7 +106,9 @@ def warm(env: dict[str, str], steps: tuple[str, ...]) -> dict[str, Any]:
                         getattr(loaded, func)()
                 except Exception as e:
                     failed[step] = f"{type(e).__name__}: {e}".splitlines()[0]
+                queries.install()
     finally:
+        queries.restore()
         # what an import put in the environment (torch's inductor its TORCHINDUCTOR_CACHE_DIR) is not
         # there for a program that does not import it: the rank's env must be what a cold start has
         for key in set(os.environ) - before:
@@ -61,6 +118,7 @@ def warm(env: dict[str, str], steps: tuple[str, ...]) -> dict[str, Any]:
         "seconds": round(time.monotonic() - t0, 2),
         "failed": failed,
         "cuda_initialized": bool(torch is not None and torch.cuda.is_initialized()),
+        "cuda_initialized_at": queries.initialized_at,
     }
 
 

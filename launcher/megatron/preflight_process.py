@@ -1,0 +1,160 @@
+"""The preflight of a launch, in a process of its own, so that nothing waits for it before training.
+
+Building a recipe's config imports Megatron-Bridge (11-36 s on GPU machines) and the ranks import it
+again; torchrun pays that once. Here the driver starts this process first, then connects, places
+and starts the ranks, which import their stack meanwhile; the ranks' program starts once the verdict
+is in (driver/launch.py), and a refusal ends the launch with its one line, exit 2, nothing left.
+
+Its own process, not a thread: the import is seconds of Python holding the GIL the driver's loops
+need, and it runs with no GPU visible, so that importing bridge (nvidia-modelopt asks the device's
+compute capability at import) never makes a CUDA context on a GPU the ranks are about to use. It
+ends when it has answered; the driver ends it first if the launch ends before (`cancel`).
+
+    python -m launcher.megatron.preflight_process DIR   # reads DIR/spec.pkl, writes DIR/verdict.pkl
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any
+
+from ..core.errors import MegarayError
+from ..core.runner import Verdict
+from ..core.spec import LaunchSpec
+
+log = logging.getLogger("megaray")
+
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder `launcher` is in
+STDERR_TAIL = 5  # lines of a crashed preflight's output shown
+
+
+def bridge_installed() -> bool:
+    """Without bridge where the driver runs, the launch goes on unchecked (`find_spec` of a dotted
+    name imports its parent: the top-level name first)."""
+    return find_spec("megatron") is not None and find_spec("megatron.bridge") is not None
+
+
+class PreflightProcess(Verdict):
+    """The verdict of `python -m launcher.megatron.preflight_process`, started by `start()`."""
+
+    in_background = True
+
+    def __init__(self, proc: subprocess.Popen, folder: str, t0: float):
+        super().__init__()
+        self.proc, self.folder, self.t0 = proc, folder, t0
+        self._error: MegarayError | None = None
+        self._done = False
+
+    @classmethod
+    def start(cls, spec: LaunchSpec) -> Verdict:
+        if not bridge_installed():
+            log.warning(
+                "preflight skipped: no megatron-bridge in the driver (install megaray[megatron] to check "
+                "layouts here)"
+            )
+            return Verdict()
+        folder = tempfile.mkdtemp(prefix="megaray-preflight-")
+        with open(os.path.join(folder, "spec.pkl"), "wb") as f:
+            pickle.dump(spec, f)
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
+        with open(os.path.join(folder, "output"), "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", __name__, folder], stdin=subprocess.DEVNULL, stdout=out,
+                stderr=subprocess.STDOUT, env=env,
+                start_new_session=True,  # a Ctrl-C is the driver's to act on; it ends this one
+            )  # fmt: skip
+        return cls(proc, folder, time.monotonic())
+
+    def ready(self) -> bool:
+        if not self._done:
+            if self.proc.poll() is None:
+                return False
+            self._done = True
+            self._read()
+        if self._error is not None:
+            self.refusal, self._error = self._error, None
+            raise self.refusal
+        return True
+
+    def cancel(self) -> None:
+        if self.proc.poll() is None:  # our own child, by its Popen: never a pid that could be reused
+            self.proc.kill()
+            self.proc.wait()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+    def _read(self) -> None:
+        try:
+            with open(os.path.join(self.folder, "verdict.pkl"), "rb") as f:
+                kind, value, records = pickle.load(f)
+        except (OSError, EOFError, pickle.UnpicklingError, ValueError):
+            kind, value, records = "crashed", _tail(os.path.join(self.folder, "output")), []
+        finally:
+            shutil.rmtree(self.folder, ignore_errors=True)
+        for level, message in records:  # its lines, as the driver would have logged them
+            log.log(level, "%s", message)
+        if kind == "plan":
+            self._plan = value
+        elif kind == "refused":
+            self._error = value
+        else:
+            log.warning(
+                "preflight failed (exit %s): %s; the ranks build the config themselves",
+                self.proc.returncode, value or "no output",
+            )  # fmt: skip
+
+
+def _tail(path: str) -> str:
+    try:
+        lines = [line for line in Path(path).read_text(errors="replace").splitlines() if line.strip()]
+    except OSError:
+        return ""
+    return " | ".join(lines[-STDERR_TAIL:])
+
+
+class _Records(logging.Handler):
+    def __init__(self):
+        super().__init__()
+        self.records: list[tuple[int, str]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append((record.levelno, record.getMessage()))
+
+
+def child(folder: str) -> int:
+    with open(os.path.join(folder, "spec.pkl"), "rb") as f:
+        spec: LaunchSpec = pickle.load(f)
+    handler = _Records()
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+    verdict: tuple[str, Any]
+    try:
+        from .preflight import preflight
+
+        verdict = ("plan", preflight(spec))
+    except MegarayError as e:
+        verdict = ("refused", e)
+    except Exception:
+        verdict = ("crashed", traceback.format_exc().strip().splitlines()[-1])
+    path = os.path.join(folder, "verdict.pkl")
+    with open(path + ".tmp", "wb") as f:
+        pickle.dump((*verdict, handler.records), f)
+    os.replace(path + ".tmp", path)
+    return 0
+
+
+if __name__ == "__main__":
+    code = child(sys.argv[1])
+    sys.stdout.flush()
+    os._exit(code)  # bridge's modules need no tear-down: the verdict is written
