@@ -175,3 +175,28 @@ def test_data_paths_a_config_names_are_checked(tmp_path):
         f"dataset.dataset_root {tmp_path}/sft is not a folder",
         "tokenizer.vocab_file /no/vocab.json does not exist",
     ]
+
+
+def test_the_first_step_is_checked_against_the_placed_gpus_unless_a_size_is_given():
+    from launcher.core.memory import MemoryEstimate
+    from launcher.core.progress import TrainingFacts
+    from launcher.core.spec import spec_from_args
+    from launcher.driver.targets import runner_for
+    from launcher.megatron.preflight import Plan
+
+    est = MemoryEstimate(model_state=60 * 2**30, activations=18 * 2**30, parameters=8.03e9)
+    plan = Plan(None, "", TrainingFacts(), 10, None, None, est)
+    spec = spec_from_args(["--recipe", "gpt_small"])
+    runner = runner_for(spec.target)
+    assert spec.gpu_memory_gb is None  # the GPUs' own, which the ranks report (rank/nvml.py)
+    assert runner.memory_problem(spec, plan, 79.1) is None  # 78 GiB fits an H100 80GB's 79.1
+    problem = runner.memory_problem(spec, plan, 39.4)  # an A100 40GB does not
+    assert problem.startswith(
+        "recipe gpt_small: needs 78.0 GiB per GPU at the first step (weights, gradients and optimizer 60.0 "
+        "GiB, activations 18.0 GiB; 8.03B parameters), more than the 39.4 GiB of one GPU (the smallest GPU "
+        "placed, from NVML)"
+    )
+    assert "`--check --gpu-memory-gb 39.4` lists which" in problem
+    given = spec_from_args(["--recipe", "gpt_small", "--gpu-memory-gb", "40"])
+    assert runner.memory_problem(given, plan, 39.4) is None  # the preflight checked the size given
+    assert runner.memory_problem(spec, None, 39.4) is None  # no preflight (no bridge in the driver)

@@ -304,7 +304,7 @@ def test_llama3_8b_on_one_gpu_is_refused_for_memory_with_the_numbers(capsys):
     import ray
 
     argv = ["--recipe", LLAMA3_8B, "--nodes", "1", "--gpus-per-node", "1"]
-    assert main([*argv, "model.context_parallel_size=1"]) == 2
+    assert main([*argv, "--gpu-memory-gb", "80", "model.context_parallel_size=1"]) == 2
     err = capsys.readouterr().err
     assert "more than the 80 GiB of one GPU" in err and "weights, gradients and optimizer 134.6 GiB" in err
     assert err.count("megaray: error:") == 1 and not ray.is_initialized()

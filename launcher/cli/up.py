@@ -41,6 +41,11 @@ def build_parser(command: str) -> argparse.ArgumentParser:
             "this layout and refilled after it",
         )
         p.add_argument(
+            "--recipe",
+            help="with --warm: the pool also imports Megatron-Bridge and this recipe's module (no CUDA "
+            "context made), and a launch that takes it builds the preflight's config there, in a second",
+        )
+        p.add_argument(
             "--idle-timeout",
             type=number,
             default=1800.0,
@@ -89,7 +94,7 @@ def _up(args: argparse.Namespace, exits_after: bool) -> int:
     device = args.device or ("gpu" if args.address else "cpu")
     layout = PoolLayout(
         args.nodes, args.gpus_per_node, device, args.cpus_per_rank, args.idle_timeout,
-        fixed_size=not args.address, warm=args.warm,
+        fixed_size=not args.address, warm=args.warm, recipe=args.recipe,
     )  # fmt: skip
     if args.address:
         if not args.warm:

@@ -45,6 +45,10 @@ class Verdict:
             time.sleep(poll_s)
         return self._plan
 
+    def ask(self, process: Any) -> None:
+        """Let `process` (a rank actor that has the target's stack imported: a warm pool's) work the
+        answer out, when that is quicker than waiting for it."""
+
     def cancel(self) -> None:
         """No answer is wanted any more (the launch ended first): stop working it out."""
 
@@ -90,6 +94,10 @@ class TargetRunner:
     def first_target(self, spec: LaunchSpec, plan: Any) -> Target:
         """The target of the first attempt (the spec's, or one adjusted to megaray's own settings)."""
         return spec.target
+
+    def memory_problem(self, spec: LaunchSpec, plan: Any, gpu_gib: float) -> str | None:
+        """Why the program would not fit the placed GPUs (the smallest has `gpu_gib`), or None."""
+        return None
 
     def resume_target(self, target: Target, plan: Any) -> Target:
         """The target of a relaunch after a failure."""

@@ -65,7 +65,9 @@ class LaunchSpec:
     spares: bool = True  # with restarts left, warm spare actors wait in the bundles (spares.py)
     exit_grace_s: float = DEFAULT_EXIT_GRACE_S  # a returned rank's process may finish its exit this long
     kill_grace_s: float = DEFAULT_KILL_GRACE_S  # SIGTERM, then this long before the kill
-    gpu_memory_gb: float = DEFAULT_GPU_MEMORY_GB  # per GPU, what the memory preflight checks against
+    # per GPU, what the memory preflight checks against; None: the placed GPUs' own (NVML), and
+    # DEFAULT_GPU_MEMORY_GB for `--check`, which places nothing
+    gpu_memory_gb: float | None = None
     min_nodes: int | None = None  # `--nodes MIN:MAX`: the fewest an attempt runs on (None: `nodes`)
     grow_after_s: float | None = None  # below MAX nodes with room for more: relaunch on them after this
     metrics: MetricsMode = MetricsMode.RANK  # Prometheus series through Ray's export (core/metrics.py)
@@ -74,7 +76,7 @@ class LaunchSpec:
         for flag, value in (
             ("--cpus-per-rank", self.cpus_per_rank), ("--placement-timeout", self.placement_timeout_s),
             ("--hang-timeout", self.hang_timeout_s), ("--exit-grace", self.exit_grace_s),
-            ("--kill-grace", self.kill_grace_s), ("--gpu-memory-gb", self.gpu_memory_gb),
+            ("--kill-grace", self.kill_grace_s), ("--gpu-memory-gb", self.gpu_memory_gb or 1.0),
             ("--peak-tflops", self.peak_tflops),
         ):  # fmt: skip
             if not math.isfinite(value):  # nan passes every comparison below
@@ -112,7 +114,7 @@ class LaunchSpec:
             raise ValueError(f"--grow-after must be above 0 seconds, got {self.grow_after_s}")
         if self.grow_after_s is not None and not self.node_range.elastic:
             raise ValueError("--grow-after grows a job of --nodes MIN:MAX: give a range, or drop it")
-        if self.gpu_memory_gb <= 0:
+        if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
             raise ValueError(f"--gpu-memory-gb must be above 0, got {self.gpu_memory_gb}")
         if self.peak_tflops <= 0:
             raise ValueError(f"--peak-tflops must be above 0, got {self.peak_tflops}")
@@ -228,9 +230,10 @@ def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument(
         "--gpu-memory-gb",
         type=number,
-        default=DEFAULT_GPU_MEMORY_GB,
-        help=f"GiB of memory per GPU: a recipe whose estimate at the first step is larger is refused "
-        f"before any GPU is taken (default {DEFAULT_GPU_MEMORY_GB:g}: H100/A100 80GB)",
+        default=None,
+        help="GiB of memory per GPU: a recipe whose estimate at the first step is larger is refused "
+        "before it trains (default: the placed GPUs' own, from NVML; with --check, "
+        f"{DEFAULT_GPU_MEMORY_GB:g}: H100/A100 80GB)",
     )
     p.add_argument(
         "--log-ranks",

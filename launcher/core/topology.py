@@ -39,6 +39,7 @@ class RankReport:
     iface: str | None = None  # the node's interface that holds node_ip
     log_dir: str = ""  # where the node keeps worker output (rank/spool.py)
     oom_kills: int | None = None  # the node's OOM-killer count when the rank started
+    gpu_memory_gib: float | None = None  # the node's smallest GPU, from NVML (None: no GPU or NVML)
 
 
 @dataclass(frozen=True)

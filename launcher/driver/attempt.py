@@ -77,7 +77,7 @@ class Attempt:
         growing: bool = False,
         metrics: JobMetrics | None = None,
         parallel_dims: Callable[[LaunchSpec], tuple[int, int, int] | None] = lambda spec: None,
-        target: Callable[[], Target] | None = None,
+        target: Callable[[float | None, Any], Target] | None = None,
         imports_first: bool = False,
     ):
         """`lost_nodes`: the launch's nodes found lost so far, not placed on again (unless they answer
@@ -85,13 +85,15 @@ class Attempt:
         MAX ends to relaunch on more nodes (driver/grow.py); `growing`: this attempt is such a relaunch.
         `metrics`: the job's (driver/metrics.py), told of this attempt's ranks; `parallel_dims`: the
         target's TP, PP and CP at this attempt's size, for the ranks' labels. `target`: the program
-        to run, asked for once the ranks are started (the first attempt's waits for the preflight's
-        verdict), else the spec's; `imports_first`: meanwhile the ranks import what their program
-        will (the target's warm imports), so that the wait costs nothing."""
+        to run, asked for once the ranks are started, with the smallest placed GPU's memory and, from
+        a warm pool, rank 0's process (the first attempt's waits for the preflight's verdict, which
+        that process may give quicker, and checks it), else the spec's;
+        `imports_first`: meanwhile the ranks import what their program will (the target's warm
+        imports), so that the wait costs nothing."""
         self.spec, self.number, self.stop, self.run, self.progress = spec, number, stop, run, progress
         self.metrics = metrics if metrics is not None else JobMetrics(spec.job_name, MetricsMode.OFF)
         self.parallel_dims = parallel_dims
-        self.target = target or (lambda: spec.target)
+        self.target = target or (lambda gpu_gib, ready: spec.target)
         self.imports_first = imports_first
         self.asked = spec.node_range  # the spec becomes this attempt's own once placed (--nodes MIN:MAX)
         self.size_problem, self.grow_policy = size_problem, grow
@@ -168,7 +170,9 @@ class Attempt:
         self.run.write_env(env_records(gang.handles, envs))
         if self.imports_first and not gang.adopted:
             import_ahead(gang.actors, spec.target)
-        self.spec = spec = dataclasses.replace(spec, target=self.target())
+        gpu_gib = min((r.gpu_memory_gib for r in gang.reports if r.gpu_memory_gib), default=None)
+        ready = gang.actors[0] if gang.adopted else None
+        self.spec = spec = dataclasses.replace(spec, target=self.target(gpu_gib, ready))
         if on and not known and (dims := self.parallel_dims(spec)) is not None:
             labels = rank_labels(spec.job_name, spec.metrics, where, dims, spec.peak_tflops)
             self.metrics.attempt(spec.world_size, spec.nodes, labels)

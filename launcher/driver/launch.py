@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..core.elastic import GrowPolicy
-from ..core.errors import Interrupted, MegarayError
+from ..core.errors import Interrupted, MegarayError, UsageError
 from ..core.outcome import run_outcome
 from ..core.policy import FailurePolicy
 from ..core.profiles import load_profile
@@ -115,9 +115,17 @@ def _run(
                 log.info("every rank gets these variables of this shell (values not shown): %s", names)
             first: list[Target] = []
 
-            def first_target() -> Target:
+            def first_target(gpu_gib: float | None = None, ready: Any = None) -> Target:
+                """`gpu_gib`: the smallest placed GPU's memory, which the plan's estimate must fit;
+                `ready`: a rank process of a warm pool, which may answer for the preflight quicker."""
                 if not first:
-                    first.append(runner.first_target(spec, plan()))
+                    if ready is not None:
+                        verdict.ask(ready)
+                    p = plan()
+                    if gpu_gib is not None and (problem := runner.memory_problem(spec, p, gpu_gib)):
+                        verdict.refusal = UsageError(problem)  # the preflight's, completed: bad input
+                        raise verdict.refusal
+                    first.append(runner.first_target(spec, p))
                 return first[0]
 
             lost_nodes: set[str] = set()  # found by any attempt, avoided by the next

@@ -27,8 +27,9 @@ from dataclasses import asdict, dataclass, replace
 import ray
 
 from ..core.errors import UsageError
+from ..core.recipes import load_recipe
 from ..core.spec import RAY_NAMESPACE, LaunchSpec
-from ..core.target import DRY_RUN_TARGET
+from ..core.target import DRY_RUN_TARGET, Target, TargetKind
 from ..core.topology import RankReport, RankSlot, assign_ranks, order_nodes
 from . import placement, rayprivate
 from .actors import first_line, start_rank_actor, wait_all
@@ -53,6 +54,9 @@ class PoolLayout:
     idle_timeout_s: float = 1800.0
     fixed_size: bool = True  # the cluster cannot grow (a local Ray): placement fails at once
     warm: bool = True  # torch (and megatron) imported ahead; else the processes are only started
+    # `megaray up --warm --recipe NAME`: Megatron-Bridge and the recipe's module imported ahead too,
+    # CUDA still untouched (rank/warmup.py), so that a GPU launch of a recipe skips bridge's import
+    recipe: str | None = None
 
     def __post_init__(self):
         """Checked before any Ray starts (`megaray up --cpus-per-rank -1` started the nodes, then failed
@@ -61,6 +65,10 @@ class PoolLayout:
             _spec(self)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        if self.recipe is not None and not self.warm:
+            raise UsageError("--recipe is what a warm pool imports ahead: add --warm")
+        if self.recipe is not None:
+            load_recipe(self.recipe)  # an unknown one is bad input, said now
         if not self.idle_timeout_s >= 0:  # nan included
             raise UsageError(f"--idle-timeout must be at least 0 (0: never), got {self.idle_timeout_s}")
 
@@ -70,7 +78,20 @@ class PoolLayout:
 
     @property
     def holds(self) -> str:
+        if self.recipe is not None:
+            return f"with Megatron-Bridge and recipe {self.recipe} imported"
         return "with torch imported" if self.warm else "started, nothing imported"
+
+    @property
+    def imports(self) -> tuple[str, ...]:
+        """What each process imports ahead: the dry run's stack (megatron-core's skipped where it is
+        absent), or the recipe's (bridge's)."""
+        if not self.warm:
+            return ()
+        target = DRY_RUN_TARGET
+        if self.recipe is not None:
+            target = Target(TargetKind.MEGATRON, self.recipe, recipe=load_recipe(self.recipe))
+        return runner_for(target).warm_imports(target)
 
     @property
     def kind(self) -> str:
@@ -126,8 +147,7 @@ def fill(layout: PoolLayout, wait: bool) -> None:
     rayprivate.kv_del(TAKEN, namespace=RAY_NAMESPACE)  # a new pool, not taken yet
     # what ranks get, before torch loads; nothing when nothing is imported (setup gives the whole env)
     env = {"OMP_NUM_THREADS": "1"} if layout.gpus_per_node > 1 and layout.warm else {}
-    # the dry run's stack (megatron's skipped where it is absent)
-    imports = runner_for(DRY_RUN_TARGET).warm_imports(DRY_RUN_TARGET) if layout.warm else ()
+    imports = layout.imports
     idle = layout.idle_timeout_s
     actors = [
         start_rank_actor(

@@ -20,8 +20,9 @@ from typing import Any
 
 from ..core.errors import UsageError
 from ..core.layout import Layout, layout_problems
+from ..core.memory import MemoryEstimate, fit_problem
 from ..core.progress import TrainingFacts
-from ..core.spec import LaunchSpec
+from ..core.spec import DEFAULT_GPU_MEMORY_GB, LaunchSpec
 from .facts import facts_from_config
 
 log = logging.getLogger("megaray")
@@ -40,14 +41,26 @@ class Plan:
     timeout_minutes: int  # dist.distributed_timeout_minutes
     checkpoint_save: str | None
     checkpoint_load: str | None
+    # the first step's memory per GPU, to check against the placed GPUs' (unless --gpu-memory-gb)
+    memory: MemoryEstimate | None = None
 
     @classmethod
-    def of(cls, layout: Layout | None, cfg: Any) -> Plan:
+    def of(cls, layout: Layout | None, cfg: Any, memory: MemoryEstimate | None = None) -> Plan:
         ckpt = cfg.checkpoint
         return cls(
             layout, config_yaml(cfg), facts_from_config(cfg), int(cfg.dist.distributed_timeout_minutes),
-            str(ckpt.save) if ckpt.save else None, str(ckpt.load) if ckpt.load else None,
+            str(ckpt.save) if ckpt.save else None, str(ckpt.load) if ckpt.load else None, memory,
         )  # fmt: skip
+
+    def memory_problem(self, recipe: str, gpu_gib: float) -> str | None:
+        """Why the first step does not fit GPUs of `gpu_gib` (the placed ones'), or None."""
+        if self.memory is None or (problem := fit_problem(self.memory, gpu_gib)) is None:
+            return None
+        return (
+            f"recipe {recipe}: {problem} (the smallest GPU placed, from NVML); more nodes with more "
+            f"TP/PP, recompute, a smaller micro-batch or the distributed optimizer would fit (`--check "
+            f"--gpu-memory-gb {gpu_gib:g}` lists which), or give another size with --gpu-memory-gb"
+        )
 
 
 def config_yaml(cfg: Any) -> str:
@@ -128,9 +141,10 @@ def _preflight(spec: LaunchSpec) -> Plan | None:
             "paths: put the data on a shared filesystem, or at the same path on every node)"
         )
     set_vocab_from_tokenizer(cfg)
+    est = None
     if spec.uses_gpus:
         # with --nodes MIN:MAX, on the fewest nodes the layout fits: the smallest DP holds the most per GPU
-        check_memory(spec.at_nodes(fits[-1]), cfg, te_adapted=te_adapted(notes))
+        est = check_memory(spec.at_nodes(fits[-1]), cfg, te_adapted=te_adapted(notes))
     log.info(
         "preflight: %s, DP %d fits %d rank(s) (%.1f s)",
         layout.describe(),
@@ -138,7 +152,7 @@ def _preflight(spec: LaunchSpec) -> Plan | None:
         spec.world_size,
         time.monotonic() - t0,
     )
-    return Plan.of(layout, cfg)
+    return Plan.of(layout, cfg, est)
 
 
 def data_problems(cfg: Any) -> list[str]:
@@ -175,17 +189,25 @@ def set_vocab_from_tokenizer(cfg: Any) -> None:
         log.warning("preflight: could not load the tokenizer %s (%s)", local, str(e).splitlines()[0][:200])
 
 
-def check_memory(spec: LaunchSpec, cfg: Any, te_adapted: bool) -> None:
-    """Exit 2 before any GPU is taken when the first step would not fit the GPU's memory."""
+def check_memory(spec: LaunchSpec, cfg: Any, te_adapted: bool) -> MemoryEstimate | None:
+    """Exit 2 before training when the first step would not fit the GPU's memory: --gpu-memory-gb
+    when given, else (a launch) the placed GPUs' own, checked once they report it
+    (`Plan.memory_problem`), and for `--check`, which places nothing, DEFAULT_GPU_MEMORY_GB."""
     from . import memory
 
+    gib = spec.gpu_memory_gb or (DEFAULT_GPU_MEMORY_GB if spec.check_only else None)
     try:
-        est, problem = memory.check(cfg, spec.world_size, spec.gpu_memory_gb, te_adapted)
+        if gib is None:
+            est, problem = memory.estimate(cfg, spec.world_size, te_adapted), None
+        else:
+            est, problem = memory.check(cfg, spec.world_size, gib, te_adapted)
     except Exception as e:  # a model bridge's estimator does not cover: say so, and go on
         log.warning("preflight: no memory estimate for this model (%s)", " ".join(str(e).split())[:200])
-        return
+        return None
     if problem:
         raise UsageError(f"recipe {spec.target.recipe.name}: {problem}")
-    log.info("preflight: memory %s, of %g GiB", est.describe(), spec.gpu_memory_gb)
+    of = f"of {gib:g} GiB" if gib is not None else "to check against the GPUs placed"
+    log.info("preflight: memory %s, %s", est.describe(), of)
     for note in est.notes[1:]:
         log.info("preflight: memory: %s", note)
+    return est

@@ -49,9 +49,9 @@ class PreflightProcess(Verdict):
 
     in_background = True
 
-    def __init__(self, proc: subprocess.Popen, folder: str, t0: float):
+    def __init__(self, proc: subprocess.Popen, folder: str, spec: LaunchSpec):
         super().__init__()
-        self.proc, self.folder, self.t0 = proc, folder, t0
+        self.proc, self.folder, self.spec = proc, folder, spec
         self._error: MegarayError | None = None
         self._done = False
 
@@ -74,7 +74,7 @@ class PreflightProcess(Verdict):
                 stderr=subprocess.STDOUT, env=env,
                 start_new_session=True,  # a Ctrl-C is the driver's to act on; it ends this one
             )  # fmt: skip
-        return cls(proc, folder, time.monotonic())
+        return cls(proc, folder, spec)
 
     def ready(self) -> bool:
         if not self._done:
@@ -86,6 +86,27 @@ class PreflightProcess(Verdict):
             self.refusal, self._error = self._error, None
             raise self.refusal
         return True
+
+    def ask(self, process: Any) -> None:
+        """A warm pool's rank process that has bridge imported builds the config in about a second:
+        when the ranks came from one and the answer is not in yet, it answers instead (this
+        process's import would take seconds more) and this one is ended."""
+        import ray
+
+        if self._done or self.proc.poll() is not None:
+            return
+        t0 = time.monotonic()
+        try:
+            outcome = ray.get(process.call.remote(answer, (self.spec,), {}))
+        except ray.exceptions.RayError as e:  # the rank's own failure is the launch's to see
+            log.debug("the pool's process did not answer for the preflight: %s", e)
+            return
+        if not outcome.ok or self._done:
+            return
+        self.cancel()
+        self._done = True
+        log.info("preflight in a warm pool's process, bridge imported there (%.1f s)", time.monotonic() - t0)
+        self._take(*outcome.value)
 
     def cancel(self) -> None:
         if self.proc.poll() is None:  # our own child, by its Popen: never a pid that could be reused
@@ -101,6 +122,9 @@ class PreflightProcess(Verdict):
             kind, value, records = "crashed", _tail(os.path.join(self.folder, "output")), []
         finally:
             shutil.rmtree(self.folder, ignore_errors=True)
+        self._take(kind, value, records)
+
+    def _take(self, kind: str, value: Any, records: list[tuple[int, str]]) -> None:
         for level, message in records:  # its lines, as the driver would have logged them
             log.log(level, "%s", message)
         if kind == "plan":
@@ -131,25 +155,35 @@ class _Records(logging.Handler):
         self.records.append((record.levelno, record.getMessage()))
 
 
-def child(folder: str) -> int:
-    with open(os.path.join(folder, "spec.pkl"), "rb") as f:
-        spec: LaunchSpec = pickle.load(f)
+def answer(spec: LaunchSpec) -> tuple[str, Any, list[tuple[int, str]]]:
+    """The verdict where this runs, as (kind, plan or error, the lines it logged): in this module's
+    process, or in a warm pool's process that has bridge imported (`PreflightProcess.ask`)."""
+    from .preflight import preflight
+
     handler = _Records()
+    saved = (log.level, log.propagate)
     log.addHandler(handler)
     log.setLevel(logging.INFO)
     log.propagate = False
-    verdict: tuple[str, Any]
     try:
-        from .preflight import preflight
-
-        verdict = ("plan", preflight(spec))
+        return "plan", preflight(spec), handler.records
     except MegarayError as e:
-        verdict = ("refused", e)
+        return "refused", e, handler.records
     except Exception:
-        verdict = ("crashed", traceback.format_exc().strip().splitlines()[-1])
+        return "crashed", traceback.format_exc().strip().splitlines()[-1], handler.records
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(saved[0])
+        log.propagate = saved[1]
+
+
+def child(folder: str) -> int:
+    with open(os.path.join(folder, "spec.pkl"), "rb") as f:
+        spec: LaunchSpec = pickle.load(f)
+    verdict = answer(spec)
     path = os.path.join(folder, "verdict.pkl")
     with open(path + ".tmp", "wb") as f:
-        pickle.dump((*verdict, handler.records), f)
+        pickle.dump(verdict, f)
     os.replace(path + ".tmp", path)
     return 0
 

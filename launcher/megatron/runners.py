@@ -107,6 +107,13 @@ class MegatronRunner(TargetRunner):
     def first_target(self, spec: LaunchSpec, plan: Any) -> Target:
         return align_timeouts(spec, plan)
 
+    def memory_problem(self, spec: LaunchSpec, plan: Any, gpu_gib: float) -> str | None:
+        """The preflight's estimate against the GPUs placed, unless --gpu-memory-gb was given (the
+        preflight checked against that)."""
+        if plan is None or spec.gpu_memory_gb is not None:
+            return None
+        return plan.memory_problem(spec.target.recipe.name, gpu_gib)
+
     def resume_target(self, target: Target, plan: Any) -> Target:
         return resume_target(target, plan)
 

@@ -32,6 +32,7 @@ from ..core.target import Target
 from ..core.topology import RankReport, candidate_ports
 from ..core.versions import python_version
 from .capture import flush_streams
+from .nvml import smallest_memory_gib
 from .plain_process import as_a_plain_process, match_thread_pools
 from .probes import (
     REPLACED_EXIT_TIMEOUT_S,
@@ -91,6 +92,7 @@ class RankActor:
             iface=interface_of(self.node_ip),
             log_dir=log_dir(),
             oom_kills=oom_kills(),
+            gpu_memory_gib=smallest_memory_gib() if self.gpu_ids else None,
         )
 
     def free_ports(self, seed: str, count: int, exact: int | None = None) -> list[int]:

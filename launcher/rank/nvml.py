@@ -33,3 +33,17 @@ def compute_capability() -> tuple[int, int] | None:
     except Exception:  # no pynvml, no driver (a CPU node), an NVML error
         return None
     return caps.pop() if len(caps) == 1 else None  # type: ignore[return-value]
+
+
+def smallest_memory_gib() -> float | None:
+    """The memory of the node's smallest GPU, in GiB (the preflight's check against the GPUs a
+    launch got: megatron/runners.py); None without NVML or GPUs."""
+    try:
+        with _nvml() as nv:
+            totals = [
+                nv.nvmlDeviceGetMemoryInfo(nv.nvmlDeviceGetHandleByIndex(i)).total
+                for i in range(nv.nvmlDeviceGetCount())
+            ]
+    except Exception:
+        return None
+    return round(min(totals) / 2**30, 2) if totals else None
