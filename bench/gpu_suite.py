@@ -3,6 +3,8 @@
 Items, each megaray beside torchrun where both apply:
   parity    gpt_small step time and time to the first iteration; the progress view against bridge's
             own log (tokens/s, TFLOP/s/GPU); peak GPU memory
+  warm      the parity run again on `megaray up --warm --recipe gpt_small` (bridge imported ahead, the
+            preflight's config built in the pool's process), to the first iteration beside torchrun's
   arch      a real architecture (Qwen3-8B's config at 2 layers, from the HF fixture) the same way
   restart   SIGKILL of rank 0 of a bridge run that checkpoints, --max-restarts 1: warm spares, cold,
             and torchrun --max-restarts 1, to the first iteration after resuming
@@ -37,7 +39,7 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
-ITEMS = ("parity", "arch", "restart", "doctor", "overhead")
+ITEMS = ("parity", "warm", "arch", "restart", "doctor", "overhead")
 FIXTURE_QWEN3 = REPO / "tests" / "fixtures" / "hf" / "Qwen--Qwen3-8B"
 
 # What the runs train: Megatron logs every iteration, with its own TFLOP/s/GPU.
@@ -185,6 +187,8 @@ def render(results: dict[str, Any]) -> str:
     for name in ("parity", "arch"):
         if name in results:
             out += _render_pair(name, results[name])
+        if name == "parity" and "warm" in results:
+            out += _render_warm(results["warm"])
     if "restart" in results:
         out += _render_restart(results["restart"])
     if "doctor" in results:
@@ -236,6 +240,29 @@ def _render_pair(name: str, r: dict[str, Any]) -> list[str]:
         ]
         if r.get("progress_line"):
             out += ["", f"megaray's last progress line: `{r['progress_line']}`"]
+    if r.get("preflight"):
+        out += ["", "megaray's preflight:", *(f"- {line}" for line in r["preflight"])]
+    if r.get("error"):
+        out += ["", f"Failed: {r['error']}"]
+    return out
+
+
+def _render_warm(r: dict[str, Any]) -> list[str]:
+    m = r.get("megaray", {})
+    rows = [
+        _row("", "torchrun", "megaray on `up --warm --recipe`", "ratio"),
+        _row("---", "---", "---", "---"),
+        _row("command start to iteration 1", f"{_f(r.get('torchrun_first_iteration_s'))} s",
+             f"{_f(m.get('first_iteration_s'))} s", _f(r.get("ratio"), ".2f")),
+        _row("steady step, median (min-max)", "", _span(m), ""),
+    ]  # fmt: skip
+    out = ["", f"### 1b. On a warm recipe pool: {r.get('what', '')}", "", *rows, ""]
+    out.append(
+        f"`megaray up` took {_f(r.get('up_s'))} s (exit {r.get('exit_codes', {}).get('up')}); the launch "
+        f"{'took the pool' if r.get('took_pool') else 'did not take the pool'} (exit "
+        f"{r.get('exit_codes', {}).get('megaray')})."
+    )
+    out += [f"- {line}" for line in r.get("preflight", [])]
     if r.get("error"):
         out += ["", f"Failed: {r['error']}"]
     return out
@@ -358,6 +385,7 @@ class Stamped:
     def __init__(self, cmd: list[str], log: Path, env: dict[str, str]):
         self.t0 = time.time()
         self.rc: int | None = None
+        self.elapsed: float | None = None
         self.lines: list[tuple[float, str]] = []
         self.log = log
         self.proc = subprocess.Popen(
@@ -430,7 +458,8 @@ class Suite:
         print(f"[{name}] {' '.join(cmd)}", flush=True)
         s = Stamped(cmd, self.logs / f"{name}.log", env or self.env)
         rc = s.finish(min(timeout_s, max(self.left(), 30)))
-        print(f"[{name}] exit {rc} after {time.time() - s.t0:.1f} s", flush=True)
+        s.elapsed = time.time() - s.t0
+        print(f"[{name}] exit {rc} after {s.elapsed:.1f} s", flush=True)
         s.rc = rc
         return s
 
@@ -453,7 +482,48 @@ def item_pair(suite: Suite, name: str, recipe: list[str], overrides: list[str], 
         result["progress"] = compare_progress(progress, runs["megaray"], seq)
     if runs["megaray"]["progress"]:
         result["progress_line"] = runs["megaray"]["progress"][-1]
+    result["preflight"] = preflight_lines(m.lines)
     return result
+
+
+_PREFLIGHT = re.compile(
+    r"megaray: (preflight: .*\([\d.]+ s\)|preflight in .*|waited [\d.]+ s for the preflight|the ranks import)"
+)
+
+
+def preflight_lines(lines: list[tuple[float, str]]) -> list[str]:
+    """megaray's lines on where its preflight ran and how long the ranks waited for it."""
+    return [f"{m.group(1)} (at {t:.1f} s)" for t, line in lines if (m := _PREFLIGHT.search(line))]
+
+
+def item_warm(suite: Suite, results: dict[str, Any]) -> dict[str, Any]:
+    """`megaray up --warm --recipe gpt_small`, then the parity run on it, beside torchrun's first
+    iteration from the parity item of this run (torchrun run here when that item was not)."""
+    torchrun = (results.get("parity") or {}).get("torchrun") or {}
+    if not torchrun.get("first_iteration_s"):
+        t = suite.run("warm-torchrun", [*suite.torchrun(), "--recipe", "gpt_small", *PARITY], 420)
+        torchrun = steady(parse_run(t.lines), 10)
+    env = {**suite.env, "MEGARAY_STATE_DIR": "/tmp/megaray-gpu-suite-state"}
+    main_py = str(REPO / "main.py")
+    up = suite.run("warm-up-pool", [PY, main_py, "up", "--warm", "--recipe", "gpt_small", "--device", "gpu",
+                                    "--gpus-per-node", "1"], 300, env)  # fmt: skip
+    try:
+        cmd = [*suite.megaray("warm-megaray"), "--recipe", "gpt_small", *PARITY]
+        m = suite.run("warm-megaray", cmd, 420, env)
+    finally:
+        suite.run("warm-down", [PY, main_py, "down"], 120, env)
+    megaray = steady(parse_run(m.lines), 10)
+    first_t, first_m = torchrun.get("first_iteration_s"), megaray.get("first_iteration_s")
+    return {
+        "what": "`megaray up --warm --recipe gpt_small --device gpu --gpus-per-node 1`, then the parity run",
+        "exit_codes": {"up": up.rc, "megaray": m.rc},
+        "up_s": up.elapsed,
+        "torchrun_first_iteration_s": first_t,
+        "megaray": megaray,
+        "ratio": first_m / first_t if first_t and first_m else None,
+        "took_pool": any("taking the warm pool" in line for _, line in m.lines),
+        "preflight": preflight_lines(m.lines),
+    }
 
 
 def item_parity(suite: Suite) -> dict[str, Any]:
@@ -689,12 +759,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"environment: {json.dumps(results['env'])}", flush=True)
     runners = {
         "parity": lambda: item_parity(suite),
+        "warm": lambda: item_warm(suite, results),
         "arch": lambda: item_arch(suite),
         "restart": lambda: item_restart(suite),
         "doctor": lambda: item_doctor(suite),
         "overhead": lambda: item_overhead(suite, args.overhead_ranks, args.control_layouts, args.repeats),
     }
-    if {"parity", "arch", "restart"} & set(args.items):
+    if {"parity", "warm", "arch", "restart"} & set(args.items):
         suite.run("warm-up", [PY, "-c", WARM_UP], 180)
     for item in args.items:
         if suite.left() < 30:

@@ -107,7 +107,17 @@ def _results() -> dict:
             "megatron-bridge": "0.6.2",
             "transformer-engine": None,
         },
-        "parity": pair,
+        "parity": {**pair, "preflight": ["waited 1.2 s for the preflight (at 30.0 s)"]},
+        "warm": {
+            "what": "up --warm --recipe gpt_small",
+            "exit_codes": {"up": 0, "megaray": 0},
+            "up_s": 31.0,
+            "torchrun_first_iteration_s": 33.4,
+            "megaray": {**run, "first_iteration_s": 12.1},
+            "ratio": 12.1 / 33.4,
+            "took_pool": True,
+            "preflight": ["preflight in a warm pool's process, bridge imported there (1.1 s) (at 3.0 s)"],
+        },
         "arch": {**pair, "what": "qwen3 2 layers"},
         "restart": {
             "what": "small GPT",
@@ -158,6 +168,20 @@ def test_the_section_names_every_item_with_both_launchers(tmp_path):
     for heading in ("### 1.", "### 2.", "### 3.", "### 5.", "### 6.", "### 7."):
         assert heading in section
     assert "ratio 1.0050" in section  # 482.4 / 480.0
+    assert "- waited 1.2 s for the preflight (at 30.0 s)" in section
+    assert (
+        "### 1b. On a warm recipe pool" in section
+        and "| command start to iteration 1 | 33.4 s | 12.1 s | 0.36 |" in (section)
+    )
+    assert "the launch took the pool (exit 0)" in section and "(1.1 s) (at 3.0 s)" in section
+    lines = gpu_suite.read_stamped(
+        "  2.000 megaray: preflight in a warm pool's process, bridge imported there (1.1 s)\n"
+        "  3.000 megaray: preflight: TP 1 x PP 1 fits 1 rank(s) (0.9 s)\n  4.0 other\n"
+    )
+    assert gpu_suite.preflight_lines(lines) == [
+        "preflight in a warm pool's process, bridge imported there (1.1 s) (at 2.0 s)",
+        "preflight: TP 1 x PP 1 fits 1 rank(s) (0.9 s) (at 3.0 s)",
+    ]
     assert "identical per iteration" in section  # the same losses in both runs
     assert "4. Progress view against bridge's own log, iteration 30" in section and "(-0.39%)" in section
     assert "| megaray, warm spares | 9.50 s | 10 | 6.600 -> 6.610 | on the warm spares |" in section

@@ -494,3 +494,55 @@ def test_the_timed_forward_step_keeps_bridges_signature_and_sends_its_step_times
     timer.call(time.sleep, (0.02,), {})
     (sample,) = forwarder.got
     assert (sample.rank, sample.stage, sample.steps) == (5, 0, 4) and 0.08 <= sample.seconds < 0.5
+
+
+# the driver as main.py runs it, then whether it imported torch or Megatron itself
+DRIVER_IMPORTS = """
+import sys
+from launcher.cli.main import main
+code = main(sys.argv[1:])
+print("driver imported:", [m for m in ("torch", "megatron.core", "megatron.bridge") if m in sys.modules])
+sys.exit(code)
+"""
+
+
+@pytest.mark.slow  # a local Ray, a rank importing bridge, a warm pool importing it: about 70 CPU-seconds
+def test_the_ranks_import_while_the_preflight_runs_and_a_warm_recipe_pool_answers_for_it(tmp_path):
+    """The preflight runs in a process of its own beside connecting and placing; the ranks import
+    their stack meanwhile, and the program starts once the verdict is in. On `megaray up --warm
+    --recipe`, the pool's process (bridge imported) builds the config instead. Bridge's pretrain()
+    cannot run on a CPU: the launches end in the program, which is what shows it was started."""
+    import subprocess
+    import tempfile
+
+    from . import drive
+
+    env = drive.user_env(drop=("RAY_AUTH_",), HF_HUB_OFFLINE="1")
+    env["MEGARAY_STATE_DIR"] = tempfile.mkdtemp(prefix="mru-", dir="/tmp")
+    env["HOME"] = str(tmp_path / "home")
+    args = ["--recipe", "gpt_small", "--device", "cpu", "--runs-dir", str(tmp_path / "runs")]
+    try:
+        cold = subprocess.run(
+            [sys.executable, "-c", DRIVER_IMPORTS, *args, "--job-name", "cold", "train.train_iters=2"],
+            cwd=REPO, env=env, capture_output=True, text=True, timeout=300,
+        )  # fmt: skip
+        err = cold.stderr
+        assert cold.returncode == 1 and "in train_recipe" in err, err[-3000:]  # the program ran
+        assert "driver imported: []" in cold.stdout  # the preflight's imports are its own process's
+        started = err.index("the ranks import torch, torch.distributed, launcher.megatron.compat:")
+        assert started < err.index("preflight: TP 1 x PP 1 x CP 1") < err.index("Root cause")
+        assert "train_iters: 2" in (tmp_path / "runs" / "cold" / "config.yaml").read_text()
+        up = drive.run("up", "--warm", "--recipe", "gpt_small", "--gpus-per-node", "1", env=env)
+        assert up.returncode == 0 and "with Megatron-Bridge and recipe gpt_small imported" in up.stderr, (
+            up.stderr[-2000:]
+        )
+        warm = drive.run(*args, "--job-name", "warm", "train.train_iters=2", env=env)
+        err = warm.stderr
+        assert warm.returncode == 1 and "in train_recipe" in err, err[-3000:]
+        assert "taking the warm pool (1 processes with Megatron-Bridge and recipe gpt_small imported)" in err
+        assert re.search(r"preflight in a warm pool's process, bridge imported there \([\d.]+ s\)", err)
+        assert "the ranks import" not in err and "preflight: TP 1 x PP 1 x CP 1" in err
+    finally:
+        down = drive.run("down", env=env)
+        shutil.rmtree(env["MEGARAY_STATE_DIR"], ignore_errors=True)
+    assert down.returncode == 0, down.stderr[-2000:]

@@ -54,7 +54,7 @@ def import_ahead(actors: list, target: Target) -> None:
     actor. An import that fails is left to the program, which reports it."""
     steps = runner_for(target).warm_imports(target)
     for a in actors:
-        a.warm.remote({}, steps, False)
+        a.warm.remote({}, steps, own_program_next=True)
     log.info("the ranks import %s while the preflight runs", ", ".join(steps))
 
 

@@ -131,13 +131,15 @@ class RankActor:
 
         return reach(host, port, timeout_s)
 
-    def warm(self, env: dict[str, str], steps: tuple[str, ...], quiet: bool = True) -> dict[str, Any]:
-        """Take the env and do the imports now: as a spare for the next attempt (driver/spares.py,
-        `quiet`: its ranks printed the imports' warnings already), or as a rank whose program waits
-        for the preflight's verdict (driver/gang.py `import_ahead`)."""
+    def warm(
+        self, env: dict[str, str], steps: tuple[str, ...], own_program_next: bool = False
+    ) -> dict[str, Any]:
+        """Take the env and do the imports now: as a spare for the next attempt (driver/spares.py),
+        or as a rank whose program waits for the preflight's verdict (`own_program_next`:
+        driver/attempt.py `import_ahead`)."""
         from .warmup import warm
 
-        return warm(env, steps, quiet)
+        return warm(env, steps, own_program_next)
 
     def setup(
         self,

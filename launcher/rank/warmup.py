@@ -84,10 +84,15 @@ def _caller_outside(folder: str) -> str:
     return "?"
 
 
-def warm(env: dict[str, str], steps: tuple[str, ...], quiet: bool = True) -> dict[str, Any]:
+def warm(env: dict[str, str], steps: tuple[str, ...], own_program_next: bool = False) -> dict[str, Any]:
     """The rank's env first (OpenMP and CUDA read theirs when they load), then the imports. An
-    import that fails is left to the rank, which reports it with its traceback. `quiet`: in a
-    spare, whose rank printed the imports' warnings already."""
+    import that fails is left to the rank, which reports it with its traceback.
+
+    In a spare or a pool's process the imports' warnings are not shown (the ranks printed them) and
+    what they set in the environment goes (a program that does not import them would not have it);
+    `own_program_next`: a rank whose program, which imports the same, runs next (driver/attempt.py
+    `import_ahead`): both stay, as if the program had imported them itself."""
+    quiet = not own_program_next
     os.environ.update(env)
     before = set(os.environ)
     # torch.cuda.is_available() through NVML, as a check at import must not create a CUDA context
@@ -111,7 +116,7 @@ def warm(env: dict[str, str], steps: tuple[str, ...], quiet: bool = True) -> dic
         queries.restore()
         # what an import put in the environment (torch's inductor its TORCHINDUCTOR_CACHE_DIR) is not
         # there for a program that does not import it: the rank's env must be what a cold start has
-        for key in set(os.environ) - before:
+        for key in set(os.environ) - before if quiet else {"PYTORCH_NVML_BASED_CUDA_CHECK"} - before:
             os.environ.pop(key, None)
     torch = sys.modules.get("torch")
     return {
