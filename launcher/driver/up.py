@@ -100,9 +100,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_node(args: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
+def ray_command() -> list[str]:
+    """The `ray` command of this Python: its script beside the interpreter, as pip installs it, else
+    the same entry point through the interpreter (Ray on PYTHONPATH, from a folder or an archive,
+    has no script)."""
     ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    cmd = [ray_bin, "start", "--block", "--disable-usage-stats", *args]
+    return [ray_bin] if os.access(ray_bin, os.X_OK) else [sys.executable, "-m", "ray.scripts.scripts"]
+
+
+def _start_node(args: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
+    cmd = [*ray_command(), "start", "--block", "--disable-usage-stats", *args]
     with open(log_path, "a") as out:
         return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
