@@ -45,9 +45,9 @@ class Verdict:
             time.sleep(poll_s)
         return self._plan
 
-    def ask(self, process: Any) -> None:
-        """Let `process` (a rank actor that has the target's stack imported: a warm pool's) work the
-        answer out, when that is quicker than waiting for it."""
+    def ask(self, process: Any, after: Any = None) -> None:
+        """Let `process` (a rank actor with the target's stack imported: a warm pool's, or a rank's
+        once the call `after` is done) work the answer out, when that is quicker than waiting."""
 
     def cancel(self) -> None:
         """No answer is wanted any more (the launch ended first): stop working it out."""

@@ -48,14 +48,13 @@ class LaunchResult:
     timings: dict[str, float] = field(default_factory=dict)
 
 
-def import_ahead(actors: list, target: Target) -> None:
+def import_ahead(actors: list, target: Target) -> list:
     """Each rank imports what its program will (the target's warm imports, with the env it has now)
     while the driver waits for the preflight's verdict; the program's run queues behind it in the
-    actor. An import that fails is left to the program, which reports it."""
+    actor. An import that fails is left to the program, which reports it. Returns the calls."""
     steps = runner_for(target).warm_imports(target)
-    for a in actors:
-        a.warm.remote({}, steps, own_program_next=True)
     log.info("the ranks import %s while the preflight runs", ", ".join(steps))
+    return [a.warm.remote({}, steps, own_program_next=True) for a in actors]
 
 
 class Attempt:
@@ -85,9 +84,10 @@ class Attempt:
         MAX ends to relaunch on more nodes (driver/grow.py); `growing`: this attempt is such a relaunch.
         `metrics`: the job's (driver/metrics.py), told of this attempt's ranks; `parallel_dims`: the
         target's TP, PP and CP at this attempt's size, for the ranks' labels. `target`: the program
-        to run, asked for once the ranks are started, with the smallest placed GPU's memory and, from
-        a warm pool, rank 0's process (the first attempt's waits for the preflight's verdict, which
-        that process may give quicker, and checks it), else the spec's;
+        to run, asked for once the ranks are started, with the smallest placed GPU's memory and rank
+        0's process with the call after which its stack is imported (the first attempt's waits for
+        the preflight's verdict, which that process may give quicker, and checks it), else the
+        spec's;
         `imports_first`: meanwhile the ranks import what their program will (the target's warm
         imports), so that the wait costs nothing."""
         self.spec, self.number, self.stop, self.run, self.progress = spec, number, stop, run, progress
@@ -168,10 +168,11 @@ class Attempt:
         nodes = {"asked": str(asked), "running": size.nodes, "why": size.describe(asked)} if size else None
         self.run.write_topology(gang.master, [dataclasses.asdict(r) for r in gang.ranks], nodes)
         self.run.write_env(env_records(gang.handles, envs))
+        # rank 0's process, with the target's stack imported (a warm pool's) or once it has (`after`)
+        ready = (gang.actors[0], None) if gang.adopted else None
         if self.imports_first and not gang.adopted:
-            import_ahead(gang.actors, spec.target)
+            ready = (gang.actors[0], import_ahead(gang.actors, spec.target)[0])
         gpu_gib = min((r.gpu_memory_gib for r in gang.reports if r.gpu_memory_gib), default=None)
-        ready = gang.actors[0] if gang.adopted else None
         self.spec = spec = dataclasses.replace(spec, target=self.target(gpu_gib, ready))
         if on and not known and (dims := self.parallel_dims(spec)) is not None:
             labels = rank_labels(spec.job_name, spec.metrics, where, dims, spec.peak_tflops)

@@ -115,12 +115,13 @@ def _run(
                 log.info("every rank gets these variables of this shell (values not shown): %s", names)
             first: list[Target] = []
 
-            def first_target(gpu_gib: float | None = None, ready: Any = None) -> Target:
+            def first_target(gpu_gib: float | None = None, ready: tuple[Any, Any] | None = None) -> Target:
                 """`gpu_gib`: the smallest placed GPU's memory, which the plan's estimate must fit;
-                `ready`: a rank process of a warm pool, which may answer for the preflight quicker."""
+                `ready`: rank 0's process and the call after which it has the target's stack
+                imported (None: already), which may answer for the preflight quicker."""
                 if not first:
                     if ready is not None:
-                        verdict.ask(ready)
+                        verdict.ask(*ready)
                     p = plan()
                     if gpu_gib is not None and (problem := runner.memory_problem(spec, p, gpu_gib)):
                         verdict.refusal = UsageError(problem)  # the preflight's, completed: bad input

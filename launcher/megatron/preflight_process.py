@@ -54,6 +54,7 @@ class PreflightProcess(Verdict):
         self.proc, self.folder, self.spec = proc, folder, spec
         self._error: MegarayError | None = None
         self._done = False
+        self._rank: tuple[Any, Any] | None = None  # a rank process that may answer, once `after` is
 
     @classmethod
     def start(cls, spec: LaunchSpec) -> Verdict:
@@ -77,6 +78,8 @@ class PreflightProcess(Verdict):
         return cls(proc, folder, spec)
 
     def ready(self) -> bool:
+        if not self._done and self.proc.poll() is None and self._rank is not None:
+            self._ask_rank()
         if not self._done:
             if self.proc.poll() is None:
                 return False
@@ -87,25 +90,34 @@ class PreflightProcess(Verdict):
             raise self.refusal
         return True
 
-    def ask(self, process: Any) -> None:
-        """A warm pool's rank process that has bridge imported builds the config in about a second:
-        when the ranks came from one and the answer is not in yet, it answers instead (this
-        process's import would take seconds more) and this one is ended."""
+    def ask(self, process: Any, after: Any = None) -> None:
+        """A rank's process with bridge imported builds the config in about a second: a warm pool's
+        (`after` None), or a rank's once its imports are done (`after`: that call's result). When it
+        can before this process answers, it answers instead and this process is ended; a verdict
+        this process gave first is not asked again (the rank's next call is its program)."""
+        self._rank = (process, after)
+        self.ready()
+
+    def _ask_rank(self) -> None:
         import ray
 
-        if self._done or self.proc.poll() is not None:
-            return
+        process, after = self._rank
+        if after is not None and not ray.wait([after], timeout=0)[0]:
+            return  # still importing
+        self._rank = None
         t0 = time.monotonic()
         try:
             outcome = ray.get(process.call.remote(answer, (self.spec,), {}))
         except ray.exceptions.RayError as e:  # the rank's own failure is the launch's to see
-            log.debug("the pool's process did not answer for the preflight: %s", e)
+            log.debug("the rank's process did not answer for the preflight: %s", e)
             return
-        if not outcome.ok or self._done:
+        # a rank that could not build it (its imports failed) leaves the answer to this process
+        if not outcome.ok or outcome.value[0] == "crashed" or self._done or self.proc.poll() is not None:
             return
         self.cancel()
         self._done = True
-        log.info("preflight in a warm pool's process, bridge imported there (%.1f s)", time.monotonic() - t0)
+        where = "a warm pool's process" if after is None else "rank 0's process"
+        log.info("preflight in %s, bridge imported there (%.1f s)", where, time.monotonic() - t0)
         self._take(*outcome.value)
 
     def cancel(self) -> None:

@@ -112,7 +112,10 @@ class MegatronRunner(TargetRunner):
         preflight checked against that)."""
         if plan is None or spec.gpu_memory_gb is not None:
             return None
-        return plan.memory_problem(spec.target.recipe.name, gpu_gib)
+        problem = plan.memory_problem(spec.target.recipe.name, gpu_gib)
+        if problem is None and plan.memory is not None:
+            log.info("preflight: memory fits the %g GiB of the smallest GPU placed", gpu_gib)
+        return problem
 
     def resume_target(self, target: Target, plan: Any) -> Target:
         return resume_target(target, plan)
