@@ -71,3 +71,49 @@ def test_warm_applies_the_env_first_and_reports_what_did_not_import(monkeypatch)
 def test_a_spare_waits_for_the_process_it_replaces():
     assert wait_gone(2**22 + 12345, timeout_s=0.1)  # no such pid: gone
     assert not wait_gone(os.getpid(), timeout_s=0.1)  # still here when the wait ends
+
+
+def test_a_rank_importing_ahead_of_its_own_program_keeps_what_the_imports_set(tmp_path, monkeypatch):
+    # an import that sets a variable (as torch's inductor sets TORCHINDUCTOR_CACHE_DIR): a spare drops
+    # it (its program may never import that module), a rank whose program imports it next keeps it
+    sets = "import os\nos.environ['MEGARAY_SET_BY_IMPORT'] = '1'\n"
+    (tmp_path / "megaray_sets_env.py").write_text(sets)
+    (tmp_path / "megaray_sets_env_too.py").write_text(sets)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delenv("MEGARAY_SET_BY_IMPORT", raising=False)
+    warm({}, ("megaray_sets_env",))
+    assert "MEGARAY_SET_BY_IMPORT" not in os.environ
+    warm({}, ("megaray_sets_env_too",), own_program_next=True)
+    assert os.environ["MEGARAY_SET_BY_IMPORT"] == "1"
+    assert "PYTORCH_NVML_BASED_CUDA_CHECK" not in os.environ  # only for the imports, either way
+
+
+def test_without_a_gpu_driver_nothing_of_torch_is_changed_and_nvml_says_nothing():
+    import torch
+
+    from launcher.rank import nvml
+
+    before = (torch.cuda.get_device_capability, torch.cuda._lazy_init)
+    result = warm({}, ("torch",))
+    assert (torch.cuda.get_device_capability, torch.cuda._lazy_init) == before
+    assert result["cuda_initialized"] is False and result["cuda_initialized_at"] is None
+    if not torch.cuda.is_available():  # this machine (CI has no GPU); on a GPU node both answer
+        assert nvml.compute_capability() is None and nvml.smallest_memory_gib() is None
+
+
+def test_a_recipe_pool_imports_bridge_and_the_recipe_and_bad_input_is_said_at_once():
+    import pytest
+
+    from launcher.core.errors import UsageError
+    from launcher.driver.pool import PoolLayout
+
+    layout = PoolLayout(1, 2, "gpu", recipe="gpt_small")
+    assert "launcher.megatron.compat:import_bridge" in layout.imports
+    assert "megatron.bridge.recipes.gpt.vanilla_gpt" in layout.imports
+    assert layout.holds == "with Megatron-Bridge and recipe gpt_small imported"
+    assert "megatron.core.models.gpt" in PoolLayout(1, 2, "gpu").imports  # the dry run's stack
+    assert PoolLayout(1, 2, "gpu", warm=False).imports == ()
+    with pytest.raises(UsageError, match="--recipe is what a warm pool imports ahead: add --warm"):
+        PoolLayout(1, 2, "gpu", warm=False, recipe="gpt_small")
+    with pytest.raises(UsageError, match="unknown recipe 'gpt_huge'"):
+        PoolLayout(1, 2, "gpu", recipe="gpt_huge")
