@@ -55,6 +55,8 @@ class PreflightProcess(Verdict):
         self._error: MegarayError | None = None
         self._done = False
         self._rank: tuple[Any, Any] | None = None  # a rank process that may answer, once `after` is
+        self._asked: Any = None  # its answer, on its way
+        self._asked_at = 0.0
 
     @classmethod
     def start(cls, spec: LaunchSpec) -> Verdict:
@@ -93,31 +95,37 @@ class PreflightProcess(Verdict):
     def ask(self, process: Any, after: Any = None) -> None:
         """A rank's process with bridge imported builds the config in about a second: a warm pool's
         (`after` None), or a rank's once its imports are done (`after`: that call's result). When it
-        can before this process answers, it answers instead and this process is ended; a verdict
-        this process gave first is not asked again (the rank's next call is its program)."""
+        can before this process answers, it answers instead and this process is ended. Once this
+        process has answered, the rank is not asked (its next call is its program); a call already
+        sent runs to its end there, a second before the program."""
         self._rank = (process, after)
         self.ready()
 
     def _ask_rank(self) -> None:
+        """Asked at every poll, never waiting: the rank's call goes out once its imports are done,
+        and its answer is taken once in (the driver's stop checks go on meanwhile)."""
         import ray
 
         process, after = self._rank
-        if after is not None and not ray.wait([after], timeout=0)[0]:
-            return  # still importing
-        self._rank = None
-        t0 = time.monotonic()
+        if self._asked is None:
+            if after is None or ray.wait([after], timeout=0)[0]:
+                self._asked, self._asked_at = process.call.remote(answer, (self.spec,), {}), time.monotonic()
+            return
+        if not ray.wait([self._asked], timeout=0)[0]:
+            return
+        ref, self._asked, self._rank = self._asked, None, None
         try:
-            outcome = ray.get(process.call.remote(answer, (self.spec,), {}))
+            outcome = ray.get(ref)
         except ray.exceptions.RayError as e:  # the rank's own failure is the launch's to see
             log.debug("the rank's process did not answer for the preflight: %s", e)
             return
         # a rank that could not build it (its imports failed) leaves the answer to this process
-        if not outcome.ok or outcome.value[0] == "crashed" or self._done or self.proc.poll() is not None:
+        if not outcome.ok or outcome.value[0] == "crashed":
             return
         self.cancel()
         self._done = True
         where = "a warm pool's process" if after is None else "rank 0's process"
-        log.info("preflight in %s, bridge imported there (%.1f s)", where, time.monotonic() - t0)
+        log.info("preflight in %s, bridge imported there (%.1f s)", where, time.monotonic() - self._asked_at)
         self._take(*outcome.value)
 
     def cancel(self) -> None:
