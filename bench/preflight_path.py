@@ -35,8 +35,8 @@ def command(mode: str, address: str) -> list[str]:
     if mode == "recipe":
         return [*megaray, *RECIPE]
     module = ["-m", "launcher.megatron.bridge_target"]
-    if mode == "no-check":  # `--`: megaray reads options after `-m MODULE` as its own (torchrun does not)
-        return [*megaray, *module, "--", *RECIPE]
+    if mode == "no-check":
+        return [*megaray, *module, *RECIPE]
     return [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", *module, *RECIPE]
 
 

@@ -133,3 +133,16 @@ def test_help_names_every_command_with_one_line_each(capsys):
         with pytest.raises(SystemExit) as sub:
             cli_main([name, "--help"])
         assert sub.value.code == 0, name
+
+
+def test_what_follows_a_module_is_the_modules_as_under_python_and_torchrun():
+    spec = spec_from_args(["--nodes", "2", "-m", "pkg.train", "--lr", "1", "--nodes", "3"])
+    assert spec.nodes == 2 and spec.target.name == "pkg.train"
+    assert spec.target.args == ("--lr", "1", "--nodes", "3")  # torchrun -m pkg.train --nnodes 3: the module's
+    assert spec_from_args(["-m", "pkg.train", "--", "--lr", "1"]).target.args == (
+        "--lr",
+        "1",
+    )  # `--` as before
+    for argv in (["-m"], ["-m", "--lr", "1"]):
+        with pytest.raises(UsageError, match="-m needs a module name"):
+            spec_from_args(argv)

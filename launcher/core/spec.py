@@ -216,7 +216,11 @@ def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
         help="set a variable in every rank; KEY alone forwards this shell's value",
     )
     p.add_argument("--entrypoint", metavar="PKG.MODULE:FUNCTION", help="call this function on every rank")
-    p.add_argument("-m", "--module", help="run a module as `python -m MODULE` on every rank")
+    p.add_argument(
+        "-m", "--module", nargs=argparse.REMAINDER, metavar="MODULE ...",
+        help="run a module as `python -m MODULE` on every rank: what follows it is the module's (its "
+        "options too), as under python and torchrun",
+    )  # fmt: skip
     p.add_argument(
         "--recipe",
         help="run Megatron-Bridge with this recipe: a name under recipes/, a YAML path, or one of bridge's "
@@ -314,6 +318,11 @@ def spec_from_args(
     """Parse the command line into a LaunchSpec; bad input raises UsageError (exit 2)."""
     environ = os.environ if environ is None else environ
     args = build_parser(help_epilog).parse_args(argv)
+    if args.module is not None:  # `-m MODULE ARGS...`: ARGS are the module's, as python reads them
+        if not args.module or args.module[0].startswith("-"):
+            raise UsageError("-m needs a module name: megaray [options] -m pkg.train [its arguments]")
+        args.module, module_args = args.module[0], args.module[1:]
+        args.target_args = [*module_args, *(args.target_args or [])]
     given = [
         f for f, v in (("--entrypoint", args.entrypoint), ("-m", args.module), ("--recipe", args.recipe)) if v
     ]
