@@ -117,3 +117,16 @@ def test_a_recipe_pool_imports_bridge_and_the_recipe_and_bad_input_is_said_at_on
         PoolLayout(1, 2, "gpu", warm=False, recipe="gpt_small")
     with pytest.raises(UsageError, match="unknown recipe 'gpt_huge'"):
         PoolLayout(1, 2, "gpu", recipe="gpt_huge")
+
+
+def test_the_preflight_hides_the_gpus_only_while_it_runs(monkeypatch):
+    from launcher.megatron.preflight import no_gpu_visible
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    with no_gpu_visible():
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    with no_gpu_visible():
+        assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    assert "CUDA_VISIBLE_DEVICES" not in os.environ

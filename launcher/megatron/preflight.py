@@ -94,8 +94,27 @@ def quiet_megatron() -> Iterator[None]:
                 lg.setLevel(level)
 
 
-def preflight(spec: LaunchSpec) -> Plan | None:
-    with quiet_megatron():
+@contextlib.contextmanager
+def no_gpu_visible() -> Iterator[None]:
+    """The preflight builds and estimates on CPU. With no GPU visible, importing bridge (whose
+    nvidia-modelopt asks the device's compute capability at import) makes no CUDA context on a GPU of
+    the node the driver runs on, which a rank of the launch may be about to use; CUDA reads the
+    variable once, when first used, so it is set only around the preflight."""
+    saved = os.environ.get("CUDA_VISIBLE_DEVICES")
+    os.environ["CUDA_VISIBLE_DEVICES"] = ""
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        else:
+            os.environ["CUDA_VISIBLE_DEVICES"] = saved
+
+
+def preflight(spec: LaunchSpec, hide_gpus: bool = True) -> Plan | None:
+    """`hide_gpus` False: in rank 0's own process (preflight_process.py `answer`), whose CUDA must
+    see its GPU when it first loads (the only context the preflight could make there is on it)."""
+    with quiet_megatron(), no_gpu_visible() if hide_gpus else contextlib.nullcontext():
         return _preflight(spec)
 
 

@@ -6,9 +6,9 @@ and starts the ranks, which import their stack meanwhile; the ranks' program sta
 is in (driver/launch.py), and a refusal ends the launch with its one line, exit 2, nothing left.
 
 Its own process, not a thread: the import is seconds of Python holding the GIL the driver's loops
-need, and it runs with no GPU visible, so that importing bridge (nvidia-modelopt asks the device's
-compute capability at import) never makes a CUDA context on a GPU the ranks are about to use. It
-ends when it has answered; the driver ends it first if the launch ends before (`cancel`).
+need; like `--check`, it sees no GPU (preflight.py `no_gpu_visible`), so that importing bridge never
+makes a CUDA context on a GPU the ranks are about to use. It ends when it has answered; the driver
+ends it first if the launch ends before (`cancel`).
 
     python -m launcher.megatron.preflight_process DIR   # reads DIR/spec.pkl, writes DIR/verdict.pkl
 """
@@ -69,7 +69,7 @@ class PreflightProcess(Verdict):
         folder = tempfile.mkdtemp(prefix="megaray-preflight-")
         with open(os.path.join(folder, "spec.pkl"), "wb") as f:
             pickle.dump(spec, f)
-        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+        env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # as preflight.py `no_gpu_visible` makes it
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
         with open(os.path.join(folder, "output"), "wb") as out:
             proc = subprocess.Popen(
@@ -109,7 +109,8 @@ class PreflightProcess(Verdict):
         process, after = self._rank
         if self._asked is None:
             if after is None or ray.wait([after], timeout=0)[0]:
-                self._asked, self._asked_at = process.call.remote(answer, (self.spec,), {}), time.monotonic()
+                self._asked_at = time.monotonic()
+                self._asked = process.call.remote(answer, (self.spec, True), {})
             return
         if not ray.wait([self._asked], timeout=0)[0]:
             return
@@ -175,9 +176,10 @@ class _Records(logging.Handler):
         self.records.append((record.levelno, record.getMessage()))
 
 
-def answer(spec: LaunchSpec) -> tuple[str, Any, list[tuple[int, str]]]:
+def answer(spec: LaunchSpec, in_rank: bool = False) -> tuple[str, Any, list[tuple[int, str]]]:
     """The verdict where this runs, as (kind, plan or error, the lines it logged): in this module's
-    process, or in a warm pool's process that has bridge imported (`PreflightProcess.ask`)."""
+    process, or (`in_rank`) in rank 0's, which has bridge imported (`PreflightProcess.ask`) and
+    whose GPU stays visible."""
     from .preflight import preflight
 
     handler = _Records()
@@ -186,7 +188,7 @@ def answer(spec: LaunchSpec) -> tuple[str, Any, list[tuple[int, str]]]:
     log.setLevel(logging.INFO)
     log.propagate = False
     try:
-        return "plan", preflight(spec), handler.records
+        return "plan", preflight(spec, hide_gpus=not in_rank), handler.records
     except MegarayError as e:
         return "refused", e, handler.records
     except Exception:
