@@ -63,6 +63,10 @@ def frozen_model_state(parameters_per_gpu: float, bytes_per_weight: float = 2.0)
     return parameters_per_gpu * bytes_per_weight
 
 
+# what makes a first step smaller, where no single override tried on the config was found to fit
+GENERAL_REMEDIES = "more nodes with more TP/PP, recompute, a smaller micro-batch or the distributed optimizer"
+
+
 def fit_problem(estimate: MemoryEstimate, gpu_gib: float) -> str | None:
     """Why the estimate does not fit a GPU of `gpu_gib`, or None."""
     if estimate.total <= gpu_gib * GIB:

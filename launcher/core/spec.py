@@ -76,10 +76,10 @@ class LaunchSpec:
         for flag, value in (
             ("--cpus-per-rank", self.cpus_per_rank), ("--placement-timeout", self.placement_timeout_s),
             ("--hang-timeout", self.hang_timeout_s), ("--exit-grace", self.exit_grace_s),
-            ("--kill-grace", self.kill_grace_s), ("--gpu-memory-gb", self.gpu_memory_gb or 1.0),
+            ("--kill-grace", self.kill_grace_s), ("--gpu-memory-gb", self.gpu_memory_gb),
             ("--peak-tflops", self.peak_tflops),
         ):  # fmt: skip
-            if not math.isfinite(value):  # nan passes every comparison below
+            if value is not None and not math.isfinite(value):  # nan passes every comparison below
                 raise ValueError(f"{flag} must be a finite number, got {value}")
         self.node_range  # noqa: B018 (checks MIN and MAX, with the numbers)
         if self.gpus_per_node < 1:

@@ -8,6 +8,7 @@ import copy
 from typing import Any
 
 from ..core.memory import (
+    GENERAL_REMEDIES,
     MemoryEstimate,
     attention_scores_bytes,
     fit_problem,
@@ -150,9 +151,5 @@ def check(
     if problem is None:
         return est, None
     fixes = remedies(cfg, world_size, gpu_gib, te_adapted)
-    how = (
-        "each of these alone would fit: " + "; ".join(fixes)
-        if fixes
-        else "more nodes with more TP/PP, recompute, a smaller micro-batch or the distributed optimizer"
-    )
+    how = "each of these alone would fit: " + "; ".join(fixes) if fixes else GENERAL_REMEDIES
     return est, f"{problem}; {how} (or give the GPU's size with --gpu-memory-gb)"

@@ -20,7 +20,7 @@ from typing import Any
 
 from ..core.errors import UsageError
 from ..core.layout import Layout, layout_problems
-from ..core.memory import MemoryEstimate, fit_problem
+from ..core.memory import GENERAL_REMEDIES, MemoryEstimate, fit_problem
 from ..core.progress import TrainingFacts
 from ..core.spec import DEFAULT_GPU_MEMORY_GB, LaunchSpec
 from .facts import facts_from_config
@@ -57,9 +57,9 @@ class Plan:
         if self.memory is None or (problem := fit_problem(self.memory, gpu_gib)) is None:
             return None
         return (
-            f"recipe {recipe}: {problem} (the smallest GPU placed, from NVML); more nodes with more "
-            f"TP/PP, recompute, a smaller micro-batch or the distributed optimizer would fit (`--check "
-            f"--gpu-memory-gb {gpu_gib:g}` lists which), or give another size with --gpu-memory-gb"
+            f"recipe {recipe}: {problem} (the smallest GPU placed, from NVML); {GENERAL_REMEDIES} would "
+            f"fit (`--check --gpu-memory-gb {gpu_gib:g}` lists which), or give another size with "
+            "--gpu-memory-gb"
         )
 
 

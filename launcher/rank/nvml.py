@@ -5,9 +5,8 @@ about 500 MiB of the GPU and, made before the rank picks its device, sits on the
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-from collections.abc import Iterator
+from collections.abc import Callable
 
 
 class _Memory(ctypes.Structure):
@@ -23,49 +22,50 @@ def _check(code: int) -> None:
         raise NvmlError(f"NVML error {code}")
 
 
-@contextlib.contextmanager
-def _devices() -> Iterator[tuple[ctypes.CDLL, list[ctypes.c_void_p]]]:
-    """The library and a handle per GPU of the node; raises OSError or NvmlError where there is none."""
-    lib = ctypes.CDLL("libnvidia-ml.so.1")
-    _check(lib.nvmlInit_v2())
+def _each_gpu[T](read: Callable[[ctypes.CDLL, ctypes.c_void_p], T]) -> list[T] | None:
+    """`read(library, handle)` for every GPU of the node, in NVML's order; None where there is no
+    driver (a CPU node), an old one, or an NVML error."""
+    try:
+        lib = ctypes.CDLL("libnvidia-ml.so.1")
+        _check(lib.nvmlInit_v2())
+    except (OSError, NvmlError, AttributeError):
+        return None
     try:
         count = ctypes.c_uint()
         _check(lib.nvmlDeviceGetCount_v2(ctypes.byref(count)))
-        handles = []
+        out = []
         for i in range(count.value):
             handle = ctypes.c_void_p()
             _check(lib.nvmlDeviceGetHandleByIndex_v2(ctypes.c_uint(i), ctypes.byref(handle)))
-            handles.append(handle)
-        yield lib, handles
+            out.append(read(lib, handle))
+        return out
+    except (NvmlError, AttributeError):
+        return None
     finally:
         lib.nvmlShutdown()
+
+
+def _capability(lib: ctypes.CDLL, handle: ctypes.c_void_p) -> tuple[int, int]:
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _check(lib.nvmlDeviceGetCudaComputeCapability(handle, ctypes.byref(major), ctypes.byref(minor)))
+    return major.value, minor.value
+
+
+def _total_memory(lib: ctypes.CDLL, handle: ctypes.c_void_p) -> int:
+    mem = _Memory()
+    _check(lib.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(mem)))
+    return mem.total
 
 
 def compute_capability() -> tuple[int, int] | None:
     """The compute capability every GPU of this node has; None without a driver or GPUs, or when the
     node's GPUs differ (then the device a caller means matters, and only CUDA can say)."""
-    try:
-        with _devices() as (lib, handles):
-            caps = set()
-            for h in handles:
-                major, minor = ctypes.c_int(), ctypes.c_int()
-                _check(lib.nvmlDeviceGetCudaComputeCapability(h, ctypes.byref(major), ctypes.byref(minor)))
-                caps.add((major.value, minor.value))
-    except (OSError, NvmlError, AttributeError):  # no driver (a CPU node), an old one, an NVML error
-        return None
+    caps = set(_each_gpu(_capability) or ())
     return caps.pop() if len(caps) == 1 else None
 
 
 def smallest_memory_gib() -> float | None:
     """The memory of the node's smallest GPU, in GiB (the preflight's check against the GPUs a
     launch got: megatron/runners.py); None without a driver or GPUs."""
-    try:
-        with _devices() as (lib, handles):
-            totals = []
-            for h in handles:
-                mem = _Memory()
-                _check(lib.nvmlDeviceGetMemoryInfo(h, ctypes.byref(mem)))
-                totals.append(mem.total)
-    except (OSError, NvmlError, AttributeError):
-        return None
+    totals = _each_gpu(_total_memory)
     return round(min(totals) / 2**30, 2) if totals else None
