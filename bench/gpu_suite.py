@@ -646,12 +646,32 @@ def restart_once(suite: Suite, mode: str, ckpt: Path) -> dict[str, Any]:
                     if holders is None
                     else f"CUDA contexts before the kill (nvidia-smi): {len(holders)}, rank 0's included"
                 )
+            steps = _after_kill(s.lines, killed_at)
+            if steps:
+                result["note"] = "; ".join(filter(None, [result.get("note"), steps]))
         return result
     finally:
         s.stop(signal.SIGINT if mode != "torchrun" else signal.SIGTERM)
         s.reader.join(10)
         result["memory"] = parse_run(s.lines)
         shutil.rmtree(ckpt, ignore_errors=True)
+
+
+AFTER_KILL = (
+    ("failure seen", re.compile(r"restart 1 of 1 after: ")),
+    ("spares took over", re.compile(r"the spares took over: (.*)")),
+)
+
+
+def _after_kill(lines: list[tuple[float, str]], killed_at: float) -> str:
+    """When megaray saw the failure and its spares took over, in seconds after the kill."""
+    out = []
+    for what, pattern in AFTER_KILL:
+        hit = next(((t, m) for t, line in lines if t >= killed_at and (m := pattern.search(line))), None)
+        if hit is not None:
+            detail = f" ({hit[1].group(1)})" if hit[1].groups() else ""
+            out.append(f"{what} at +{hit[0] - killed_at:.2f} s{detail}")
+    return ", ".join(out)
 
 
 def item_restart(suite: Suite) -> dict[str, Any]:

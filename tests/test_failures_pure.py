@@ -34,6 +34,9 @@ def test_a_hang_with_a_stopped_rank_waits_no_kill_grace_for_it():
     stopped = RankFailure(1, "10.0.0.2", "h1", "-", "hung", "no output; process stopped (SIGSTOP)", at=1.0)
     waiting = RankFailure(0, "10.0.0.1", "h0", "-", "waiting", "no output; process sleeping", at=1.0)
     assert RankFailedError([waiting, stopped], world_size=2).beyond_signals() == {1}
+    # a rank seen dying (its process may still give back GPU memory for seconds): no grace either
+    died = RankFailure(2, "10.0.0.2", "h1", "-", "died", "its process was killed by SIGKILL", at=1.0)
+    assert RankFailedError([waiting, died], world_size=3).beyond_signals() == {2}
 
 
 def test_a_node_lost_while_its_ranks_start_fails_those_ranks_as_died_naming_the_node():
@@ -221,3 +224,48 @@ def test_a_crash_in_ray_s_own_teardown_is_told_from_the_program_s():
     ]
     program_s = ["rank 1 returning", "Fatal Python error: Aborted", "", "Stack (most recent call first):"]
     assert ray_teardown_crash(ray_s) and not ray_teardown_crash(program_s)
+
+
+STAT_RUNNING = "4242 (ray::RankActor.run (x)) S 1 4242 4242 0 -1 4194560 " + " ".join(["0"] * 44)
+
+
+def _stat(state: str, flags: int, code: int) -> str:
+    fields = STAT_RUNNING.split(") ", 1)[1].split()
+    fields[0], fields[6] = state, str(flags)
+    return "4242 (ray::RankActor.run (x)) " + " ".join([*fields[:49], str(code)])
+
+
+def test_a_process_is_seen_ending_by_its_exit_flag_zombie_state_or_pending_sigkill():
+    """A rank's process with GPU memory takes seconds to exit after SIGKILL (5.4 s on an H100), and Ray
+    reports it dead only after that: its node sees it as it starts to (core/deaths.py process_end)."""
+    from launcher.core.deaths import PF_EXITING, ProcessEnd, process_end
+
+    assert process_end(4242, _stat("S", 0x400100, 0), "SigPnd:\t0000000000000000\n") is None
+    killed = process_end(4242, _stat("R", 0x400100 | PF_EXITING, 9), None)
+    assert killed == ProcessEnd(4242, 9) and killed.exit_code == -9 and not killed.clean
+    assert killed.describe() == "its process was killed by SIGKILL (signal 9)"
+    exited = process_end(4242, _stat("Z", 0x400100, 7 << 8), None)
+    assert exited.exit_code == 7 and "exited with code 7 (os._exit" in exited.describe()
+    assert process_end(4242, _stat("Z", 0, 0), None).clean  # os._exit(0): not a failure, as under torchrun
+    pending = "SigPnd:\t0000000000000000\nShdPnd:\t0000000000000100\n"  # the kill is on its way
+    assert process_end(4242, _stat("D", 0x400100, 0), pending) == ProcessEnd(4242, 9)
+    assert process_end(4242, None, None) == ProcessEnd(4242, None)  # gone before it was read
+    assert process_end(4242, "garbage", None) is None
+    # the report says what its node saw, and whether the kernel's OOM killer was at work
+    assert death_cause(["step 3"], 0, killed).startswith(
+        "its process was killed by SIGKILL (signal 9), not by the kernel's OOM killer: a signal sent from "
+        "outside the job"
+    )
+    assert "OOM killer killed 2 process(es)" in death_cause(["step 3"], 2, killed)
+    assert death_cause(SEGV_OUTPUT, 0, killed).startswith("its process was killed by SIGSEGV")
+    assert death_cause(["step 3"], 0, ProcessEnd(1, None)).startswith("its process ended without")
+
+
+def test_a_spare_starts_beside_its_dying_rank_only_when_the_gpu_has_room_for_what_the_rank_used():
+    from launcher.rank.gpu_room import room_problem
+
+    gib = 2**30
+    assert room_problem(int(4.4 * gib), 70 * gib, 0) is None  # the H100 restart model: room at once
+    assert "GiB free of the" in room_problem(40 * gib, 40 * gib, 0)  # a big model: wait for the memory
+    assert "one process at a time" in room_problem(gib, 70 * gib, 3)  # EXCLUSIVE_PROCESS
+    assert "not seen" in room_problem(None, 70 * gib, 0)

@@ -5,6 +5,74 @@ the node's OOM-killer count. Ray itself says only that the worker "exited unexpe
 from __future__ import annotations
 
 import re
+import signal
+from dataclasses import dataclass
+
+PF_EXITING = 0x4  # the kernel's flag of a task inside exit(): set first, before its memory is freed
+SIGKILL_PENDING = 1 << (signal.SIGKILL - 1)  # its bit in /proc/<pid>/status's SigPnd and ShdPnd masks
+
+
+@dataclass(frozen=True)
+class ProcessEnd:
+    """A rank's process found ending on its node, before it is gone: a process with GPU memory takes
+    seconds to exit (the driver frees its memory first), and Ray reports it dead only after that.
+
+    `status` is as waitpid(2) gives it (the low 7 bits a signal, else the exit code << 8); None when
+    the process was gone before it could be read."""
+
+    pid: int
+    status: int | None
+
+    @property
+    def signal(self) -> int | None:
+        return self.status & 0x7F or None if self.status is not None else None
+
+    @property
+    def clean(self) -> bool:
+        """Exited with code 0 (os._exit(0)): not a failure of the rank, as under torchrun."""
+        return self.status == 0
+
+    @property
+    def exit_code(self) -> int | None:
+        """As torch elastic reports a worker's: the code, or minus the signal."""
+        if self.status is None:
+            return None
+        return -self.signal if self.signal else (self.status >> 8) & 0xFF
+
+    def describe(self) -> str:
+        if self.status is None:
+            return "its process ended (found gone on its node)"
+        if self.signal:
+            return f"its process was killed by {_signal_name(self.signal)} (signal {self.signal})"
+        return f"its process exited with code {self.exit_code} (os._exit or a crash outside Python)"
+
+
+def _signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def process_end(pid: int, stat_text: str | None, status_text: str | None) -> ProcessEnd | None:
+    """Whether a process is ending, from /proc/<pid>/stat and /proc/<pid>/status (None: gone): a
+    zombie, a task with PF_EXITING (its exit status is already in stat's 52nd field), or one with a
+    SIGKILL pending (nothing can stop it now). None while it runs on."""
+    if stat_text is None:
+        return ProcessEnd(pid, None)
+    try:  # the command name may hold spaces and parentheses: the fields follow the last ')'
+        fields = stat_text[stat_text.rindex(")") + 2 :].split()
+        state, flags = fields[0], int(fields[6])
+        code = int(fields[49]) if len(fields) > 49 else None
+    except (ValueError, IndexError):
+        return None
+    if state in ("Z", "X") or flags & PF_EXITING:
+        return ProcessEnd(pid, code)
+    for line in (status_text or "").splitlines():
+        key, _, mask = line.partition(":")
+        if key in ("SigPnd", "ShdPnd") and int(mask.strip() or "0", 16) & SIGKILL_PENDING:
+            return ProcessEnd(pid, signal.SIGKILL)
+    return None
 
 
 def describe_death(ray_message: str) -> str:
@@ -41,10 +109,13 @@ _FATAL_NAMES = "|".join(map(re.escape, _FATAL))
 _FATAL_RE = re.compile(rf"Fatal Python error: ({_FATAL_NAMES})|\*\*\* (SIG[A-Z]+) received")
 
 
-def death_cause(last_output: list[str] | tuple[str, ...], oom_kills: int | None) -> str | None:
+def death_cause(
+    last_output: list[str] | tuple[str, ...], oom_kills: int | None, ended: ProcessEnd | None = None
+) -> str | None:
     """Why a rank process died, when its last output or its node tells: a fatal signal that
     faulthandler reported, or the kernel's OOM killer at work on the node (`oom_kills` since the rank
-    started, None where unknown). None when nothing tells."""
+    started, None where unknown), or its exit status as its node saw it end (`ended`). None when
+    nothing tells."""
     for line in reversed(last_output):
         m = _FATAL_RE.search(line)
         if m:
@@ -56,6 +127,12 @@ def death_cause(last_output: list[str] | tuple[str, ...], oom_kills: int | None)
             f"its process was killed (SIGKILL): the kernel's OOM killer killed {oom_kills} process(es) "
             "on its node meanwhile; give the ranks more memory (fewer ranks per node, smaller batches)"
         )
+    if ended is not None and ended.status is not None:
+        outside = (
+            ", not by the kernel's OOM killer: a signal sent from outside the job (kill, Ray's memory "
+            "monitor, a node agent)"
+        )
+        return ended.describe() + (outside if ended.signal and oom_kills == 0 else "")
     if oom_kills == 0:
         return (
             "its process ended without a Python exception or a fatal-error report: os._exit(), or a "

@@ -127,9 +127,9 @@ class RankFailedError(MegarayError):
         return (RankFailedError, (self.failures, self.world_size, self.ending))
 
     def beyond_signals(self) -> set[int]:
-        """Ranks whose process cannot act on a SIGTERM (stopped, a zombie, stuck in the kernel): a kill
-        grace would only be waited out for them."""
-        return {f.rank for f in self.failures if f.kind == FailureKind.HUNG}
+        """Ranks whose process cannot act on a SIGTERM (stopped, a zombie, stuck in the kernel, dead or
+        on its way out): a kill grace would only be waited out for them."""
+        return {f.rank for f in self.failures if f.kind in (FailureKind.HUNG, FailureKind.DIED)}
 
     def amend(self, failures: list[RankFailure]) -> None:
         """The same failures, told more fully (a dead rank's last output, read after the fact)."""

@@ -17,7 +17,7 @@ from typing import Any
 
 import ray
 
-from ..core.deaths import death_cause, describe_death, ray_teardown_crash, readable_tail
+from ..core.deaths import ProcessEnd, death_cause, describe_death, ray_teardown_crash, readable_tail
 from ..core.errors import FailureKind, RankFailedError, RankFailure
 from ..core.topology import RankReport, RankSlot, format_rank_ranges
 from ..rank.spool import exit_and_ship, exit_mark, ship, spool_name
@@ -129,22 +129,44 @@ def node_lost(node_id: str) -> bool:
         return True
 
 
+def _status(exit_code: int | None) -> int | None:
+    """A failure's exit code (minus the signal, as torch elastic's) as waitpid's status again."""
+    if exit_code is None:
+        return None
+    return -exit_code if exit_code < 0 else exit_code << 8
+
+
 class RankWatch:
     """How the running ranks of a gang end, and what the driver learns of them as they do: which
     nodes are lost, whose last output is being shipped, what a returned rank's process still runs.
     The gang's supervise reads outcomes and hangs here; its teardown asks for the last words."""
 
-    def __init__(self, handles: tuple[RankHandle, ...], sink: Any, probes: NodeProbes | None = None):
+    def __init__(
+        self, handles: tuple[RankHandle, ...], sink: Any, probes: NodeProbes | None = None,
+        forwarders: dict[str, Any] | None = None,
+    ):  # fmt: skip
         self.handles, self.sink = handles, sink  # no sink: a rank group, whose output Ray streams
         self.probes = probes  # megaray's own liveness probes of the nodes (driver/liveness.py)
         self.lost: dict[str, bool] = {}  # node id -> gone, asked once per node as its ranks die
         self.salvaging: dict[int, Any] = {}  # rank -> the task shipping a dead rank's spool
         self.lingering: dict[int, list[str]] = {}  # what each returned rank's process still runs
+        self.forwarders = forwarders or {}  # node id -> its output forwarder (rank/forwarder.py)
+        self.ends: dict[Any, str] = {}  # each node's watch of its ranks' processes ending -> node id
+        for node, hs in _by_node(handles).items():
+            if node in self.forwarders:
+                self._watch_ends(node, [h.report.pid for h in hs])
+
+    def _watch_ends(self, node: str, pids: list[int]) -> None:
+        if pids:
+            self.ends[self.forwarders[node].watch_ends.remote(pids)] = node
 
     def check_nodes(self) -> None:
-        """Raise RankFailedError for the ranks of every node the probes found lost: a cut link or a
-        dead machine is told within seconds, not when Ray's health checks give up on it (about a
-        minute with Ray's defaults), while the ranks still wait on it in their collectives."""
+        """Raise RankFailedError for the ranks whose process is ending, and those of every node the
+        probes found lost. A process that held GPU memory takes seconds to exit, and Ray reports it
+        dead after that: its node's forwarder sees it the moment it starts to. A cut link or a dead
+        machine is told within seconds, not when Ray's health checks give up on it (about a minute
+        with Ray's defaults), while the ranks still wait on it in their collectives."""
+        self._check_ends()
         lost = self.probes.tick() if self.probes is not None else {}
         if not lost:
             return
@@ -157,6 +179,35 @@ class RankWatch:
                 RankFailure(**failure_site(h), kind=FailureKind.DIED, summary=summary, at=at) for h in on_node
             ]
         raise RankFailedError(failures, len(self.handles))
+
+    def _check_ends(self) -> None:
+        """Raise the failure of each rank found ending; one that exited with code 0 (os._exit(0)) is
+        left to Ray's report of it, and its node's other ranks are watched on."""
+        if not self.ends:
+            return
+        done, _ = ray.wait(list(self.ends), num_returns=len(self.ends), timeout=0)
+        at, failures = time.time(), []
+        by_pid = {h.report.pid: h for h in self.handles}
+        for ref in done:
+            node = self.ends.pop(ref)
+            try:
+                ends: list[ProcessEnd] = ray.get(ref)
+            except ray.exceptions.RayError:  # the node's forwarder is gone (its node lost, the launch ending)
+                continue
+            for e in ends:
+                if e.clean:
+                    continue
+                h = by_pid[e.pid]
+                self.salvaging[h.slot.rank] = self._salvage(h)
+                failures.append(
+                    RankFailure(**failure_site(h), kind=FailureKind.DIED, summary=e.describe(), at=at,
+                                exit_code=e.exit_code)
+                )  # fmt: skip
+            ended = {e.pid for e in ends}
+            self._watch_ends(node, [h.report.pid for h in self.handles if h.report.node_id == node
+                                    and h.report.pid not in ended])  # fmt: skip
+        if failures:
+            raise RankFailedError(failures, len(self.handles))
 
     def close(self) -> None:
         if self.probes is not None:
@@ -328,7 +379,8 @@ class RankWatch:
                 amended.append(f)
                 continue
             before, after = handles[f.rank].report.oom_kills, shipped.get("oom_kills")
-            cause = death_cause(tail, after - before if None not in (before, after) else None)
+            ended = ProcessEnd(f.pid or 0, _status(f.exit_code))
+            cause = death_cause(tail, after - before if None not in (before, after) else None, ended)
             summary = cause or f.summary
             amended.append(dataclasses.replace(f, summary=summary, last_output=readable_tail(tail)))
         error.amend(amended)

@@ -195,7 +195,7 @@ class RankGang:
                 self.slots, self.actors, self.reports, decisions, replaced, strict=True
             )
         )
-        self.watch = RankWatch(self.handles, sink, probes)
+        self.watch = RankWatch(self.handles, sink, probes, dict(outputs or {}) if sink is not None else None)
         refs = [
             h.actor.setup.remote(
                 h.env.to_set,
@@ -209,16 +209,19 @@ class RankGang:
             for h in self.handles
         ]
         try:
-            envs = ray.get(refs)
+            envs, took_over = zip(*ray.get(refs), strict=True)
         except ray.exceptions.RayTaskError as e:
             if isinstance(e.cause, MegarayError):
                 raise e.cause from None
             raise
+        if any(took_over):
+            log.info("the spares took over: %s", "; ".join(
+                f"rank {r}: {how}" for r, how in enumerate(took_over) if how))  # fmt: skip
         self.mark("env_set")
         self.master = master
         log_topology(self.ranks, self.master)
         log_env(self.handles, hidden=set(self.spec.env_overrides) | {k for k, _ in self.spec.forwarded})
-        return envs
+        return list(envs)
 
     def _start_actors(self, probes: NodeProbes | None) -> tuple[list, list[RankReport]]:
         """One actor per rank in its bundle, and what each reports once its process is up (a node

@@ -67,6 +67,9 @@ class SparePool:
         ]  # fmt: skip
         steps = runner_for(target).warm_imports(target)
         self.warm_refs = [a.warm.remote(env, steps) for a, env in zip(self.actors, envs, strict=True)]
+        for a, ids in zip(self.actors, self.gpu_ids, strict=True):
+            if ids:  # how much its rank uses there: room for the new rank before the old one is gone
+                a.watch_gpu.remote(list(ids))
         self.started_at = time.monotonic()
         self.state = SpareState.WARMING
         log.info("starting %d warm spare(s) for a restart (importing %s)", len(self.actors), ", ".join(steps))

@@ -40,7 +40,6 @@ from .probes import (
     inherited_env,
     interface_of,
     port_is_free,
-    wait_gone,
 )
 from .spool import exit_mark, log_dir, mark_exit, oom_kills
 
@@ -66,6 +65,8 @@ class RankActor:
         self.claimed_by: str | None = None
         self.exit_marked = False
         self.error_file: str | None = None  # TORCHELASTIC_ERROR_FILE, set with the env
+        self.gpu_use = None  # a spare's watch of its rank's GPU memory (rank/gpu_room.py)
+        self.took_over: str | None = None  # a spare: when its rank's process was gone, or its GPU had room
         if pooled:  # a pool's process (driver/pool.py): import now if warm, give the bundle back when idle
             from .warmup import expire_when_idle, warm
 
@@ -141,6 +142,14 @@ class RankActor:
 
         return warm(env, steps, own_program_next)
 
+    def watch_gpu(self, gpu_ids: list[str]) -> None:
+        """A spare: watch how much memory its rank uses on these GPUs, to know when they have room for
+        the rank's successor while the old process still exits (rank/gpu_room.py)."""
+        from .gpu_room import GpuUse
+
+        if gpu_ids and self.gpu_use is None:
+            self.gpu_use = GpuUse(gpu_ids)
+
     def setup(
         self,
         env: dict[str, str],
@@ -150,22 +159,27 @@ class RankActor:
         spool: str | None = None,
         rank: int | None = None,
         host_store: bool = False,
-    ) -> dict[str, str]:
+    ) -> tuple[dict[str, str], str | None]:
         """Apply the rank's env before any framework is imported, and send this process's output to
         `sink` (a launch's OutputSink, driver/relay.py) from here on, through the file `spool` on this
         node (rank/spool.py). Rank 0 (`host_store`) takes MASTER_PORT for the rendezvous store it
-        serves (rank/store.py). Returns the whole environment the rank now has.
+        serves (rank/store.py). Returns the whole environment the rank now has, and for a spare when
+        it took over (`took_over`).
 
         A spare taking over a rank gets the rank's `gpu_ids` (it holds none of its own; the bundle
         does) and first waits for the old rank's process (`replaces_pid`, on this node) to be gone,
         so that its GPU memory is free before this one uses the GPU.
         """
+        started = time.monotonic()
         if rank is not None:  # a warm pool's process learns its rank now
             self.rank = rank
         if gpu_ids is not None:
             self.gpu_ids = list(gpu_ids)
         if replaces_pid is not None:
-            wait_gone(replaces_pid, REPLACED_EXIT_TIMEOUT_S)
+            from .gpu_room import wait_replaced
+
+            how = wait_replaced(replaces_pid, self.gpu_use, REPLACED_EXIT_TIMEOUT_S)
+            self.took_over = f"{how} after {time.monotonic() - started:.2f} s"
         if host_store and self.store_host is None:
             from .store import PortTaken, StoreHost
 
@@ -197,7 +211,7 @@ class RankActor:
             from .capture import Capture
 
             self.capture = Capture(sink, self.rank, spool)
-        return dict(os.environ)
+        return dict(os.environ), self.took_over
 
     def run(self, runner: TargetRunner, target: Target, cwd: str) -> RankOutcome:
         """Run the target to completion; a failure comes back as data with its traceback. A program

@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 
+from ..core.deaths import ProcessEnd
 from ..core.metrics import KEEP_EVERY_S, RankLabels
 from ..core.outbatch import MIN_EVERY_S, Held, batch_bytes, send_every
 from ..core.straggler import Sample
@@ -29,6 +30,7 @@ log = logging.getLogger("megaray")
 CONTROL = "control"  # the concurrency group of the stop waits: the default group stays free for output
 CONTROL_SLOTS = 1024  # ranks of one node waiting for a stop at once, and the driver's stop
 MAX_HELD_BYTES = 16 << 20  # what one node holds for the sink before its ranks' writes wait
+ENDS_EVERY_S = 0.05  # how often the node's ranks' processes are looked at for one ending
 
 
 class NodeForwarder:
@@ -137,6 +139,18 @@ class NodeForwarder:
                 room.set()
             if self.held:
                 wake.set()
+
+    @ray.method(concurrency_group=CONTROL)
+    async def watch_ends(self, pids: list[int]) -> list[ProcessEnd]:
+        """Returns once any of these processes (the node's ranks) is ending: the moment it starts to
+        exit, seconds before Ray reports it dead where it held GPU memory (driver/endings.py)."""
+        from .probes import ending
+
+        while True:
+            ends = [e for e in map(ending, pids) if e is not None]
+            if ends:
+                return ends
+            await asyncio.sleep(ENDS_EVERY_S)
 
     @ray.method(concurrency_group=CONTROL)
     async def wait_stop(self) -> None:

@@ -69,3 +69,19 @@ def smallest_memory_gib() -> float | None:
     launch got: megatron/runners.py); None without a driver or GPUs."""
     totals = _each_gpu(_total_memory)
     return round(min(totals) / 2**30, 2) if totals else None
+
+
+DEFAULT_COMPUTE_MODE = 0  # any process may make a context; exclusive modes allow one at a time
+
+
+def _memory_and_mode(lib: ctypes.CDLL, handle: ctypes.c_void_p) -> tuple[int, int, int]:
+    mem, mode = _Memory(), ctypes.c_int()
+    _check(lib.nvmlDeviceGetMemoryInfo(handle, ctypes.byref(mem)))
+    _check(lib.nvmlDeviceGetComputeMode(handle, ctypes.byref(mode)))
+    return mem.used, mem.free, mode.value
+
+
+def memory_use() -> list[tuple[int, int, int]] | None:
+    """(used bytes, free bytes, compute mode) of every GPU of the node, in NVML's order (the indices
+    Ray's GPU ids are); None without a driver or GPUs."""
+    return _each_gpu(_memory_and_mode)

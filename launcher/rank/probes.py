@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..core.deaths import ProcessEnd, process_end
+
 
 def _py_spy() -> str | None:
     here = os.path.join(os.path.dirname(sys.executable), "py-spy")
@@ -168,6 +170,18 @@ def interface_of(ip: str) -> str | None:
 
 
 REPLACED_EXIT_TIMEOUT_S = 30.0
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return None
+
+
+def ending(pid: int) -> ProcessEnd | None:
+    """Whether process `pid` on this node is ending (core/deaths.py), and with what status."""
+    return process_end(pid, _read(f"/proc/{pid}/stat"), _read(f"/proc/{pid}/status"))
 
 
 def wait_gone(pid: int, timeout_s: float) -> bool:
