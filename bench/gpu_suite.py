@@ -674,7 +674,10 @@ def _after_kill(lines: list[tuple[float, str]], killed_at: float) -> str:
     return ", ".join(out)
 
 
-def item_restart(suite: Suite) -> dict[str, Any]:
+RESTART_MODES = ("warm spares", "cold", "torchrun")
+
+
+def item_restart(suite: Suite, modes: tuple[str, ...] = RESTART_MODES) -> dict[str, Any]:
     ckpt = Path("/tmp/megaray-gpu-suite-ckpt")
     out: dict[str, Any] = {
         "what": "`gpt_small` cut to 4 layers, hidden 1024, seq 1024, checkpoint every 5 iterations, SIGKILL "
@@ -682,7 +685,7 @@ def item_restart(suite: Suite) -> dict[str, Any]:
         "driver logged them ready); `--max-restarts 1` for all three, torchrun with "
         "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"
     }
-    for mode in ("warm spares", "cold", "torchrun"):
+    for mode in modes:
         if suite.left() < 60:
             out[mode] = {"note": "skipped: out of time"}
             continue
@@ -755,6 +758,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--overhead-ranks", type=int, nargs="+", default=[8, 16])
     p.add_argument("--control-layouts", nargs="*", default=["8x8"])
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--restart-modes", default=",".join(RESTART_MODES), help="of the restart item: a comma-"
+                   "separated subset of " + ",".join(RESTART_MODES))  # fmt: skip
     args = p.parse_args(argv)
     args.items = [x for x in args.only.split(",") if x]
     unknown = sorted(set(args.items) - set(ITEMS))
@@ -781,7 +786,7 @@ def main(argv: list[str] | None = None) -> int:
         "parity": lambda: item_parity(suite),
         "warm": lambda: item_warm(suite, results),
         "arch": lambda: item_arch(suite),
-        "restart": lambda: item_restart(suite),
+        "restart": lambda: item_restart(suite, tuple(args.restart_modes.split(","))),
         "doctor": lambda: item_doctor(suite),
         "overhead": lambda: item_overhead(suite, args.overhead_ranks, args.control_layouts, args.repeats),
     }

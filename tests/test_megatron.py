@@ -166,6 +166,29 @@ def test_relaunches_resume_from_the_recipe_checkpoints_and_nccl_outlasts_the_han
     assert align_timeouts(short, plan) == short.target  # 10 minutes already outlast a minute
 
 
+def test_a_config_built_ahead_on_a_rank_is_taken_with_the_overrides_the_go_adds(tmp_path):
+    """A rank (or a warm spare) builds its recipe's config while it waits for the go; the program
+    takes it, with what the go added (a collective timeout, a relaunch's checkpoint.load) applied,
+    the same config as built from scratch; anything else is built anew."""
+    from launcher.core.spec import spec_from_args
+    from launcher.driver.targets import runner_for
+    from launcher.megatron.bridge_target import take_prebuilt
+    from launcher.megatron.preflight import Plan
+
+    spec = spec_from_args(["--recipe", "gpt_small", "--hang-timeout", "900", f"checkpoint.save={tmp_path}"])
+    runner, recipe = runner_for(spec.target), spec.target.recipe
+    runner.prepare(spec.target)  # what a rank does after its imports (rank/warmup.py)
+    plan = Plan.of(None, build_config(recipe, list(spec.target.args))[0])
+    go = runner.resume_target(runner.first_target(spec, plan), plan)
+    cfg, notes = take_prebuilt(recipe, list(go.args), None)
+    fresh, fresh_notes = build_config(recipe, list(go.args))
+    assert (cfg.dist.distributed_timeout_minutes, cfg.checkpoint.load) == (17, str(tmp_path))
+    assert cfg.to_dict() == fresh.to_dict() and notes == fresh_notes
+    assert take_prebuilt(recipe, list(go.args), None) is None  # taken once
+    runner.prepare(spec.target)
+    assert take_prebuilt(recipe, ["model.num_layers=3"], None) is None  # not what was built: anew
+
+
 def test_a_finetuning_relaunch_resumes_from_its_own_checkpoints_once_it_has_saved_one(tmp_path):
     # Bridge's SFT recipes load from their default save folder; with checkpoint.save given alone, the
     # relaunch must load from there once the first attempt saved, and from the pretrained weights before.

@@ -82,6 +82,11 @@ class TargetRunner:
         code would run with the previous attempt's env)."""
         return BASE_IMPORTS
 
+    def prepare(self, target: Target) -> None:
+        """On a rank that has imported its stack, before its program's go (the preflight's verdict, or
+        a spare's rank failing): what the program does first that no go changes, done ahead. A plain
+        program: nothing (its code never runs ahead)."""
+
     def own_files(self) -> tuple[str, ...]:
         """The runner's source files: their frames lead no traceback a user reads."""
         return tuple({inspect.getfile(c) for c in type(self).__mro__ if c is not object})

@@ -52,9 +52,10 @@ def import_ahead(actors: list, target: Target) -> list:
     """Each rank imports what its program will (the target's warm imports, with the env it has now)
     while the driver waits for the preflight's verdict; the program's run queues behind it in the
     actor. An import that fails is left to the program, which reports it. Returns the calls."""
-    steps = runner_for(target).warm_imports(target)
+    runner = runner_for(target)
+    steps = runner.warm_imports(target)
     log.info("the ranks import %s while the preflight runs", ", ".join(steps))
-    return [a.warm.remote({}, steps, own_program_next=True) for a in actors]
+    return [a.warm.remote({}, steps, own_program_next=True, prepare=(runner, target)) for a in actors]
 
 
 class Attempt:

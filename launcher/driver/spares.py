@@ -65,8 +65,12 @@ class SparePool:
                              start_env=start_env)
             for s in slots
         ]  # fmt: skip
-        steps = runner_for(target).warm_imports(target)
-        self.warm_refs = [a.warm.remote(env, steps) for a, env in zip(self.actors, envs, strict=True)]
+        runner = runner_for(target)
+        steps = runner.warm_imports(target)
+        prepare = (runner, target)  # a recipe's config built ahead too
+        self.warm_refs = [
+            a.warm.remote(env, steps, prepare=prepare) for a, env in zip(self.actors, envs, strict=True)
+        ]
         for a, ids in zip(self.actors, self.gpu_ids, strict=True):
             if ids:  # how much its rank uses there: room for the new rank before the old one is gone
                 a.watch_gpu.remote(list(ids))

@@ -124,9 +124,10 @@ def _preflight(spec: LaunchSpec) -> Plan | None:
         return None
     t0 = time.monotonic()
     try:
-        from .bridge_target import build_config
+        from .bridge_target import build_config, copy_prebuilt
 
-        cfg, notes = build_config(target.recipe, list(target.args), target.hf_path)
+        args = (target.recipe, list(target.args), target.hf_path)
+        cfg, notes = copy_prebuilt(*args) or build_config(*args)  # built ahead: in rank 0's process
     except ModuleNotFoundError as e:
         if spec.check_only:
             raise UsageError(

@@ -15,6 +15,7 @@ ends it first if the launch ends before (`cancel`).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -36,6 +37,7 @@ log = logging.getLogger("megaray")
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder `launcher` is in
 STDERR_TAIL = 5  # lines of a crashed preflight's output shown
+PREFLIGHT_NICENESS = 19  # the lowest: below the ranks (0 on nodes megaray starts, Ray's default 15)
 
 
 def bridge_installed() -> bool:
@@ -77,6 +79,11 @@ class PreflightProcess(Verdict):
                 stderr=subprocess.STDOUT, env=env,
                 start_new_session=True,  # a Ctrl-C is the driver's to act on; it ends this one
             )  # fmt: skip
+        # Where it shares the cores with the ranks (a small machine, a one-node launch), their imports
+        # go first: rank 0 answers once it has them, and this process is for when it cannot (no room
+        # to place yet, a rank that fails to import).
+        with contextlib.suppress(OSError):
+            os.setpriority(os.PRIO_PROCESS, proc.pid, PREFLIGHT_NICENESS)
         return cls(proc, folder, spec)
 
     def ready(self) -> bool:

@@ -97,6 +97,13 @@ class MegatronRunner(TargetRunner):
             "launcher.megatron.bridge_target",
         )
 
+    def prepare(self, target: Target) -> None:
+        """The recipe's config, built while the go is awaited (the go adds overrides at most)."""
+        if target.recipe is not None:
+            from .bridge_target import prebuild
+
+            prebuild(target.recipe, list(target.args), target.hf_path)
+
     def preflight(self, spec: LaunchSpec) -> Verdict:
         if spec.target.recipe is None:
             return Verdict()

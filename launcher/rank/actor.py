@@ -133,14 +133,15 @@ class RankActor:
         return reach(host, port, timeout_s)
 
     def warm(
-        self, env: dict[str, str], steps: tuple[str, ...], own_program_next: bool = False
-    ) -> dict[str, Any]:
-        """Take the env and do the imports now: as a spare for the next attempt (driver/spares.py),
-        or as a rank whose program waits for the preflight's verdict (`own_program_next`:
-        driver/attempt.py `import_ahead`)."""
+        self, env: dict[str, str], steps: tuple[str, ...], own_program_next: bool = False,
+        prepare: tuple[TargetRunner, Target] | None = None,
+    ) -> dict[str, Any]:  # fmt: skip
+        """Take the env and do the imports now (then the runner's `prepare`): as a spare for the next
+        attempt (driver/spares.py), or as a rank whose program waits for the preflight's verdict
+        (`own_program_next`: driver/attempt.py `import_ahead`)."""
         from .warmup import warm
 
-        return warm(env, steps, own_program_next)
+        return warm(env, steps, own_program_next, prepare)
 
     def watch_gpu(self, gpu_ids: list[str]) -> None:
         """A spare: watch how much memory its rank uses on these GPUs, to know when they have room for

@@ -84,14 +84,17 @@ def _caller_outside(folder: str) -> str:
     return "?"
 
 
-def warm(env: dict[str, str], steps: tuple[str, ...], own_program_next: bool = False) -> dict[str, Any]:
+def warm(
+    env: dict[str, str], steps: tuple[str, ...], own_program_next: bool = False, prepare: Any = None
+) -> dict[str, Any]:
     """The rank's env first (OpenMP and CUDA read theirs when they load), then the imports. An
     import that fails is left to the rank, which reports it with its traceback.
 
     In a spare or a pool's process the imports' warnings are not shown (the ranks printed them) and
     what they set in the environment goes (a program that does not import them would not have it);
     `own_program_next`: a rank whose program, which imports the same, runs next (driver/attempt.py
-    `import_ahead`): both stay, as if the program had imported them itself."""
+    `import_ahead`): both stay, as if the program had imported them itself. `prepare`: (runner,
+    target), whose `prepare` then runs (core/runner.py: a Megatron recipe's config built ahead)."""
     quiet = not own_program_next
     os.environ.update(env)
     before = set(os.environ)
@@ -100,6 +103,7 @@ def warm(env: dict[str, str], steps: tuple[str, ...], own_program_next: bool = F
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     t0 = time.monotonic()
     failed: dict[str, str] = {}
+    prepared_s = None
     queries = CudaQueries()
     try:
         with _quiet() if quiet else contextlib.nullcontext():
@@ -112,6 +116,11 @@ def warm(env: dict[str, str], steps: tuple[str, ...], own_program_next: bool = F
                 except Exception as e:
                     failed[step] = f"{type(e).__name__}: {e}".splitlines()[0]
                 queries.install()
+            if prepare is not None:
+                t1 = time.monotonic()
+                runner, target = prepare
+                runner.prepare(target)
+                prepared_s = round(time.monotonic() - t1, 2)
     finally:
         queries.restore()
         # what an import put in the environment (torch's inductor its TORCHINDUCTOR_CACHE_DIR) is not
@@ -121,6 +130,7 @@ def warm(env: dict[str, str], steps: tuple[str, ...], own_program_next: bool = F
     torch = sys.modules.get("torch")
     return {
         "seconds": round(time.monotonic() - t0, 2),
+        "prepared_s": prepared_s,
         "failed": failed,
         "cuda_initialized": bool(torch is not None and torch.cuda.is_initialized()),
         "cuda_initialized_at": queries.initialized_at,
