@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import shutil
@@ -14,8 +16,9 @@ FIXTURES = Path(__file__).resolve().parent / "fixtures"
 # dir, so Ray's temp dir (its session_latest and ray_current_cluster), megaray's default runs dir and
 # its rank spools are not shared with the tests another worker runs at the same time. Short: Ray's
 # socket paths under it must fit in 107 bytes.
+_SHARED_TMP = Path(os.environ.get("TMPDIR") or "/tmp")  # the workers' own are under it
 if os.environ.get("PYTEST_XDIST_WORKER"):
-    _own = Path(os.environ.get("TMPDIR") or "/tmp") / os.environ["PYTEST_XDIST_WORKER"]
+    _own = _SHARED_TMP / os.environ["PYTEST_XDIST_WORKER"]
     _own.mkdir(exist_ok=True)
     os.environ["TMPDIR"] = str(_own)
     tempfile.tempdir = None  # gettempdir() reads TMPDIR again
@@ -152,3 +155,34 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(kind)
     first = {module: i for i, module in enumerate(FIRST)}
     items.sort(key=lambda item: (first.get(_module(item), len(FIRST)), -SECONDS.get(_module(item), 0)))
+
+
+# Tests that time ranks against each other (a straggler named, a step-time ratio, a machine that is
+# busy on purpose) are marked `alone`: on two pytest-xdist workers, the other worker's load would
+# starve a rank and the test would rightly name it (seen in one of three fresh-clone runs). Every test
+# holds a shared lock for its whole run (set-up, the module's cluster included, and teardown); an
+# `alone` test holds it exclusively, so the other worker waits between two of its tests. A turnstile
+# taken first keeps the other worker's stream of tests from starving the exclusive one.
+@contextlib.contextmanager
+def _cpu_turn(alone: bool):
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    if not run:  # one process: nothing runs beside the test
+        yield
+        return
+    base = _SHARED_TMP / f"megaray-tests-{run}"
+    with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.lock", "a") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    with _cpu_turn(item.get_closest_marker("alone") is not None):
+        yield
