@@ -680,9 +680,11 @@ class SimRank:
     def reach(self, host: str, port: int, timeout_s: float) -> str | None:
         return None
 
-    def setup(self, env: dict[str, str], sink: Any = None, *rest: Any, **kwargs: Any) -> dict[str, str]:
+    def setup(
+        self, env: dict[str, str], sink: Any = None, *rest: Any, **kwargs: Any
+    ) -> tuple[dict[str, str], str | None]:
         self.forwarder = sink._instance if isinstance(sink, Actor) else None
-        return dict(env)
+        return dict(env), None
 
     def run(self, runner: Any, target: Any, cwd: str) -> Ref:
         self.run_ref = Ref()

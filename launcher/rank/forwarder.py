@@ -143,14 +143,18 @@ class NodeForwarder:
     @ray.method(concurrency_group=CONTROL)
     async def watch_ends(self, pids: list[int]) -> list[ProcessEnd]:
         """Returns once any of these processes (the node's ranks) is ending: the moment it starts to
-        exit, seconds before Ray reports it dead where it held GPU memory (driver/endings.py)."""
+        exit, seconds before Ray reports it dead where it held GPU memory (driver/endings.py). One
+        already gone at the first look is left to Ray's report: its pid may be another's by now."""
         from .probes import ending
 
-        while True:
+        pids = [p for p in pids if (e := ending(p)) is None or e.status is not None]
+        while pids:
             ends = [e for e in map(ending, pids) if e is not None]
             if ends:
                 return ends
             await asyncio.sleep(ENDS_EVERY_S)
+        await asyncio.Event().wait()  # nothing to watch: never answers
+        return []
 
     @ray.method(concurrency_group=CONTROL)
     async def wait_stop(self) -> None:
