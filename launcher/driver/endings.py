@@ -198,10 +198,14 @@ class RankWatch:
                 if e.clean:
                     continue
                 h = by_pid[e.pid]
-                self.salvaging[h.slot.rank] = self._salvage(h)
+                if self._node_gone(h):  # its raylet died, and its workers exit with it (code 1)
+                    summary, code = self._lost_summary(h.report.node_id, "its raylet no longer answers"), None
+                else:
+                    summary, code = e.describe(), e.exit_code
+                    self.salvaging[h.slot.rank] = self._salvage(h)
                 failures.append(
-                    RankFailure(**failure_site(h), kind=FailureKind.DIED, summary=e.describe(), at=at,
-                                exit_code=e.exit_code)
+                    RankFailure(**failure_site(h), kind=FailureKind.DIED, summary=summary, at=at,
+                                exit_code=code)
                 )  # fmt: skip
             ended = {e.pid for e in ends}
             self._watch_ends(node, [h.report.pid for h in self.handles if h.report.node_id == node
@@ -236,15 +240,19 @@ class RankWatch:
             at=out.at, error_file=out.error_file,
         )  # fmt: skip
 
-    def _died(self, h: RankHandle, ray_message: str) -> str:
-        """What became of a rank whose process is gone: its node lost (asked once per node: Ray says so
-        only after its health checks, seconds later), or the process itself."""
+    def _node_gone(self, h: RankHandle) -> bool:
+        """Whether a dead rank's node is lost (asked once per node: Ray says so only after its health
+        checks, seconds later)."""
         node_id, lost = h.report.node_id, self.lost
         if node_id not in lost:
             lost[node_id] = node_lost(node_id)
-        if not lost[node_id]:
+        return lost[node_id]
+
+    def _died(self, h: RankHandle, ray_message: str) -> str:
+        """What became of a rank whose process is gone: its node lost, or the process itself."""
+        if not self._node_gone(h):
             return describe_death(ray_message)
-        return self._lost_summary(node_id, "its raylet no longer answers")
+        return self._lost_summary(h.report.node_id, "its raylet no longer answers")
 
     def _lost_summary(self, node_id: str, how: str) -> str:
         """The failure of every rank of a lost node, however it was found lost."""
