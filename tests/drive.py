@@ -38,7 +38,7 @@ def start(
     *args: str, env: Mapping[str, str] | None = None, cwd: Path | str = REPO, log: Path | None = None
 ) -> subprocess.Popen:
     """The driver, running: its stdout and stderr together, as a terminal shows them, in a text pipe
-    (`proc.stdout`) or in the file `log`."""
+    (`proc.stdout`) or in the file `log`; no standard input (as under CI, and as `run` gives it)."""
     out = log.open("w") if log is not None else subprocess.PIPE
     try:
         return subprocess.Popen(
@@ -47,6 +47,7 @@ def start(
             env=user_env() if env is None else dict(env),
             stdout=out,
             stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
             text=True,
         )
     finally:

@@ -10,10 +10,12 @@ sys.path.insert(0, str(REPO / "bench"))
 
 
 def test_launch_overhead_runs_every_mode(capsys):
+    """The modes on `megaray up`; torchrun's and the attached one, with control_plane.py, run in
+    tests/test_gpu_suite.py's end-to-end run of the suite's `overhead` item (formerly here too)."""
     import launch_overhead
 
-    # each megaray mode once; a Ray started for the run is what the one-node tests start anyway
-    modes = ["torchrun", "megaray-attached", "megaray-up", "megaray-up-warm"]
+    # a Ray started for the run is what the one-node tests start anyway
+    modes = ["torchrun", "megaray-up", "megaray-up-warm"]
     results = launch_overhead.main(["--ranks", "2", "--repeats", "1", "--modes", *modes])
     assert set(results[2]) == set(modes)
     assert all(len(v["seconds"]) == 1 and v["seconds"][0] > 0 for v in results[2].values())
@@ -21,19 +23,6 @@ def test_launch_overhead_runs_every_mode(capsys):
     assert all(v["exit_seconds"][0] >= v["seconds"][0] for v in results[2].values())
     out = capsys.readouterr().out
     assert "s vs torchrun" in out and "a rank's CPU by the barrier" in out and "command exited at" in out
-
-
-def test_control_plane_reports_each_phase(capsys):
-    import control_plane
-
-    results = control_plane.main(["--layouts", "2x2", "--repeats", "1"])
-    run = results["2x2"]["megaray"][0]
-    assert 0 < run["placed"] <= run["actors_ready"] <= run["finished"] <= run["torn_down"]
-    # every rank reported its own process's CPU (a Ray worker costs well over 0.1 CPU-second)
-    assert run["cpu rank process"] > 4 * 0.1
-    assert all(run[f"cpu {part}"] >= 0 for part in control_plane.CPU_PARTS)
-    out = capsys.readouterr().out
-    assert "ms/rank" in out and "CPU ms per rank" in out
 
 
 def test_teardown_measures_both_launchers(capsys):

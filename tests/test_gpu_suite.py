@@ -13,6 +13,7 @@ import pytest
 from .conftest import REPO
 
 sys.path.insert(0, str(REPO / "bench"))
+import control_plane
 import gpu_suite
 
 # Lines as Megatron-Bridge 0.6.2 prints them (training/utils/train_utils.py, theoretical_memory_utils.py,
@@ -227,7 +228,14 @@ def test_the_items_that_need_no_gpu_run_end_to_end_on_cpu(tmp_path):
     assert "all-reduce over 1 ranks (gloo)" in results["doctor"]["output"]
     launch = results["overhead"]["launch"]["2"]
     assert set(launch) == {"torchrun", "megaray-attached"}
-    assert results["overhead"]["control"]["2x1"]["megaray"][0]["torn_down"] > 0
+    assert all(len(v["seconds"]) == 1 and v["seconds"][0] > 0 for v in launch.values())
+    assert all(v["rank_cpu"][0] > 0 and v["exit_seconds"][0] >= v["seconds"][0] for v in launch.values())
+    # bench/control_plane.py, end to end (formerly also a test of its own in test_bench.py)
+    run = results["overhead"]["control"]["2x1"]["megaray"][0]
+    assert 0 < run["placed"] <= run["actors_ready"] <= run["finished"] <= run["torn_down"]
+    assert run["cpu rank process"] > 2 * 0.1  # every rank reported its own process's CPU
+    assert all(run[f"cpu {part}"] >= 0 for part in control_plane.CPU_PARTS)
+    assert "ms/rank" in p.stdout and "CPU ms per rank" in p.stdout
     section = (out / "section.md").read_text()
     assert "### 5. `megaray doctor`" in section and "| 2 |" in section
     assert results_md.read_text().endswith(section)

@@ -13,6 +13,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 import pytest
@@ -257,9 +258,11 @@ import os, runpy, sys, time
 from launcher import report
 if os.environ["TORCHELASTIC_RESTART_COUNT"] == "0":
     report(1)  # progress: the warm spares of the next attempt start now
-    time.sleep(20)  # while they import
+    go, deadline = sys.argv[1], time.time() + 120
+    while not os.path.exists(go) and time.time() < deadline:  # the test: the spares are ready
+        time.sleep(0.2)
     sys.exit(3 if os.environ["RANK"] == "1" else 0)
-sys.argv = sys.argv[1:]  # the probe's own command line: probe.py OUT
+sys.argv = sys.argv[2:]  # the probe's own command line: probe.py OUT
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
@@ -270,11 +273,23 @@ def test_warm_spares_run_the_next_attempt_in_the_process_torchrun_gives(tmp_path
     env = base_env(tmp_path)
     work, out = probe_dir(tmp_path, "spares")
     (work / "on_spares.py").write_text(ON_SPARES)
-    extra = ("--max-restarts", "1", "--env", "PYTHONHASHSEED=0")
-    done = under_megaray(tmp_path, str(work / "on_spares.py"), str(work / "probe.py"), str(out), env=env,
-                         extra=extra)  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "relaunching every rank (on the warm spares)" in done.stderr, done.stderr[-3000:]
+    go, log = tmp_path / "go", tmp_path / "driver.log"
+    args = ("--device", "cpu", "--gpus-per-node", "2", "--runs-dir", str(tmp_path / "runs"), "--max-restarts",
+            "1", "--env", "PYTHONHASHSEED=0", str(work / "on_spares.py"), str(go), str(work / "probe.py"),
+            str(out))  # fmt: skip
+    proc = drive.start(*args, env=env, cwd=work, log=log)
+    try:
+        deadline = time.monotonic() + 180
+        while "warm spare(s) ready" not in log.read_text():  # then the first attempt fails
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        go.touch()
+        assert proc.wait(timeout=180) == 0, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "relaunching every rank (on the warm spares)" in log.read_text(), log.read_text()[-3000:]
     views = comparable(seen(out, 2), work)
     for v in views:
         assert v["nice"] == 0 and v["sig_blocked"] == "0000000000000000" and v["stdin"] == "EOFError"

@@ -136,6 +136,41 @@ def _status(exit_code: int | None) -> int | None:
     return -exit_code if exit_code < 0 else exit_code << 8
 
 
+class EndsWatch:
+    """Each node's forwarder watching the node's rank processes for one to start exiting
+    (rank/forwarder.py `watch_ends`): a process that held GPU memory takes seconds to exit, and Ray
+    reports it dead after that."""
+
+    def __init__(self, handles: tuple[RankHandle, ...], forwarders: dict[str, Any]):
+        self.handles, self.forwarders = handles, forwarders  # node id -> its output forwarder
+        self.watches: dict[Any, str] = {}  # each node's call -> its node id
+        for node, hs in _by_node(handles).items():
+            self._watch(node, [h.report.pid for h in hs])
+
+    def _watch(self, node: str, pids: list[int]) -> None:
+        if pids and node in self.forwarders:
+            self.watches[self.forwarders[node].watch_ends.remote(pids)] = node
+
+    def ended(self) -> list[tuple[RankHandle, ProcessEnd]]:
+        """The ranks found ending since the last call, never waiting; one that exited with code 0
+        (os._exit(0)) is left to Ray's report of it, and its node's other ranks are watched on."""
+        if not self.watches:
+            return []
+        done, _ = ray.wait(list(self.watches), num_returns=len(self.watches), timeout=0)
+        by_pid, out = {h.report.pid: h for h in self.handles}, []
+        for ref in done:
+            node = self.watches.pop(ref)
+            try:
+                ends: list[ProcessEnd] = ray.get(ref)
+            except ray.exceptions.RayError:  # the node's forwarder is gone (its node lost, the launch ending)
+                continue
+            out += [(by_pid[e.pid], e) for e in ends if not e.clean]
+            gone = {e.pid for e in ends}
+            self._watch(node, [h.report.pid for h in self.handles if h.report.node_id == node
+                               and h.report.pid not in gone])  # fmt: skip
+        return out
+
+
 class RankWatch:
     """How the running ranks of a gang end, and what the driver learns of them as they do: which
     nodes are lost, whose last output is being shipped, what a returned rank's process still runs.
@@ -150,15 +185,7 @@ class RankWatch:
         self.lost: dict[str, bool] = {}  # node id -> gone, asked once per node as its ranks die
         self.salvaging: dict[int, Any] = {}  # rank -> the task shipping a dead rank's spool
         self.lingering: dict[int, list[str]] = {}  # what each returned rank's process still runs
-        self.forwarders = forwarders or {}  # node id -> its output forwarder (rank/forwarder.py)
-        self.ends: dict[Any, str] = {}  # each node's watch of its ranks' processes ending -> node id
-        for node, hs in _by_node(handles).items():
-            if node in self.forwarders:
-                self._watch_ends(node, [h.report.pid for h in hs])
-
-    def _watch_ends(self, node: str, pids: list[int]) -> None:
-        if pids:
-            self.ends[self.forwarders[node].watch_ends.remote(pids)] = node
+        self.ends = EndsWatch(handles, forwarders or {})
 
     def check_nodes(self) -> None:
         """Raise RankFailedError for the ranks whose process is ending, and those of every node the
@@ -181,35 +208,17 @@ class RankWatch:
         raise RankFailedError(failures, len(self.handles))
 
     def _check_ends(self) -> None:
-        """Raise the failure of each rank found ending; one that exited with code 0 (os._exit(0)) is
-        left to Ray's report of it, and its node's other ranks are watched on."""
-        if not self.ends:
-            return
-        done, _ = ray.wait(list(self.ends), num_returns=len(self.ends), timeout=0)
-        at, failures = time.time(), []
-        by_pid = {h.report.pid: h for h in self.handles}
-        for ref in done:
-            node = self.ends.pop(ref)
-            try:
-                ends: list[ProcessEnd] = ray.get(ref)
-            except ray.exceptions.RayError:  # the node's forwarder is gone (its node lost, the launch ending)
-                continue
-            for e in ends:
-                if e.clean:
-                    continue
-                h = by_pid[e.pid]
-                if self._node_gone(h):  # its raylet died, and its workers exit with it (code 1)
-                    summary, code = self._lost_summary(h.report.node_id, "its raylet no longer answers"), None
-                else:
-                    summary, code = e.describe(), e.exit_code
-                    self.salvaging[h.slot.rank] = self._salvage(h)
-                failures.append(
-                    RankFailure(**failure_site(h), kind=FailureKind.DIED, summary=summary, at=at,
-                                exit_code=code)
-                )  # fmt: skip
-            ended = {e.pid for e in ends}
-            self._watch_ends(node, [h.report.pid for h in self.handles if h.report.node_id == node
-                                    and h.report.pid not in ended])  # fmt: skip
+        """Raise the failure of each rank found ending (EndsWatch)."""
+        ended, at, failures = self.ends.ended(), time.time(), []
+        for h, e in ended:
+            if self._node_gone(h):  # its raylet died, and its workers exit with it (code 1)
+                summary, code = self._lost_summary(h.report.node_id, "its raylet no longer answers"), None
+            else:
+                summary, code = e.describe(), e.exit_code
+                self.salvaging[h.slot.rank] = self._salvage(h)
+            failures.append(
+                RankFailure(**failure_site(h), kind=FailureKind.DIED, summary=summary, at=at, exit_code=code)
+            )
         if failures:
             raise RankFailedError(failures, len(self.handles))
 
