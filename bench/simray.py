@@ -505,7 +505,7 @@ class RemoteFunction:
 
 
 def _exit_and_ship(pids: list[int], grace_s: float, sink: Any, spools: list, marks: list) -> list:
-    return [(0.01, True)] * len(pids)
+    return [(0.01, True, 0)] * len(pids)
 
 
 def _ship(sink: Any, spools: list, delete: bool) -> dict[str, Any]:

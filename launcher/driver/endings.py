@@ -59,9 +59,13 @@ def _mark(h: RankHandle) -> str | None:
     return exit_mark(h.spool) if h.spool else None
 
 
-def crash_on_exit(h: RankHandle, tail: list[str] | tuple[str, ...], at: float) -> RankFailure:
-    """The failure of a rank whose program returned and whose process then died on its way out."""
-    cause = death_cause(tail, None) or "it ended without finishing its exit"
+def crash_on_exit(
+    h: RankHandle, tail: list[str] | tuple[str, ...], at: float, status: int | None = None
+) -> RankFailure:
+    """The failure of a rank whose program returned and whose process then died on its way out
+    (`status`: its exit status, where its node saw it exiting)."""
+    ended = ProcessEnd(h.report.pid, status) if status is not None else None
+    cause = death_cause(tail, None, ended) or "it ended without finishing its exit"
     return RankFailure(
         rank=h.slot.rank, node_ip=h.slot.node_ip, hostname=h.report.hostname, gpu=h.info.gpu,
         kind=FailureKind.DIED,
@@ -342,11 +346,11 @@ class RankWatch:
             except (ray.exceptions.RayError, FutureTimeout, OSError) as e:
                 log.warning("could not watch the ranks on node %s exit: %s", node[:8], first_line(e))
                 continue
-            for h, (took, clean) in zip(by_node[node], ended, strict=True):
+            for h, (took, clean, status) in zip(by_node[node], ended, strict=True):
                 if took is None:
                     killed.append(h.slot.rank)
                 elif not clean:
-                    crashed.append(h.slot.rank)
+                    crashed.append((h.slot.rank, status))
         if killed:
             still = sorted({x for r in killed for x in lingering.get(r, [])})
             log.warning(
@@ -355,7 +359,7 @@ class RankWatch:
             )  # fmt: skip
         at = time.time()
         failures = []
-        for rank in crashed:
+        for rank, status in crashed:
             tail = _tail(sink, rank)
             if ray_teardown_crash(tail):  # not the program's: its work is done, so it is not a failure
                 log.warning(
@@ -363,7 +367,7 @@ class RankWatch:
                     "counted as a failure of the program", rank, readable_tail(tail)[-1] if tail else "?",
                 )  # fmt: skip
                 continue
-            failures.append(crash_on_exit(handles[rank], tail, at))
+            failures.append(crash_on_exit(handles[rank], tail, at, status))
         return failures
 
     def last_words(self, error: RankFailedError | None) -> None:

@@ -140,23 +140,30 @@ def ephemeral_range() -> tuple[int, int] | None:
         return None
 
 
-def wait_exited(pids: list[int], grace_s: float) -> list[float | None]:
+def wait_exited(pids: list[int], grace_s: float) -> tuple[list[float | None], list[int | None]]:
     """On a node: wait up to `grace_s` for each process to end (its atexit handlers and non-daemon
-    threads done); SIGKILL those still running then. Seconds each took, None for the killed."""
+    threads done); SIGKILL those still running then. Seconds each took (None for the killed), and
+    each one's exit status as waitpid gives it, where it was seen exiting (core/deaths.py)."""
     start = time.monotonic()
     took: list[float | None] = [None] * len(pids)
+    status: list[int | None] = [None] * len(pids)
     while time.monotonic() - start < grace_s:
         for i, pid in enumerate(pids):
-            if took[i] is None and process_state(pid) in (None, "Z"):
+            if took[i] is not None:
+                continue
+            end = ending(pid)
+            if end is not None and end.status is not None and status[i] is None:
+                status[i] = end.status  # seen exiting (or a zombie): how
+            if process_state(pid) in (None, "Z"):
                 took[i] = round(time.monotonic() - start, 3)
         if all(t is not None for t in took):
-            return took
+            return took, status
         time.sleep(0.02)
     for i, pid in enumerate(pids):
         if took[i] is None:
             with contextlib.suppress(OSError):
                 os.kill(pid, signal.SIGKILL)
-    return took
+    return took, status
 
 
 def interface_of(ip: str) -> str | None:

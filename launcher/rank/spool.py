@@ -92,14 +92,14 @@ def ship(sink: Any, spools: list[tuple[int, str]], delete: bool) -> dict[str, An
 
 def exit_and_ship(
     pids: list[int], grace_s: float, sink: Any, spools: list[tuple[int, str]], marks: list[str | None]
-) -> list[tuple[float | None, bool]]:
+) -> list[tuple[float | None, bool, int | None]]:
     """On a node, after the program returned: watch the processes end (probes.wait_exited), then
     ship what they printed on the way out (atexit handlers, non-daemon threads). For each process:
-    the seconds it took (None: killed after `grace_s`) and whether it ended cleanly (its exit mark
-    written; True where it has none to write)."""
+    the seconds it took (None: killed after `grace_s`), whether it ended cleanly (its exit mark
+    written; True where it has none to write), and its exit status where it was seen exiting."""
     from .probes import wait_exited
 
-    took = wait_exited(pids, grace_s)
+    took, status = wait_exited(pids, grace_s)
     clean = []
     for mark in marks:
         clean.append(mark is None or os.path.exists(mark))
@@ -109,4 +109,4 @@ def exit_and_ship(
     if sink is not None and spools:
         with contextlib.suppress(Exception):  # the sink is gone: the driver is going too
             ship(sink, spools, delete=True)
-    return list(zip(took, clean, strict=True))
+    return list(zip(took, clean, status, strict=True))
