@@ -382,7 +382,7 @@ class Actor:
             ref.set(error=dead)
 
     def _run(self, name: str, args: tuple, ref: Ref) -> None:
-        if name == "__ray_terminate__":
+        if name in ("__ray_terminate__", "leave"):  # a rank's `leave` ends in exit_actor()
             ref.set(None)
             return self._die(ray.exceptions.ActorDiedError())
         if name == "__ray_ready__":

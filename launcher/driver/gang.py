@@ -295,7 +295,7 @@ class RankGang:
         """After every rank returned: each process ends as a Python process does, watched on its
         node; one still running after `grace_s` is killed and named (endings.py)."""
         for a in self.actors:
-            a.__ray_terminate__.remote()
+            a.leave.remote()  # rank/actor.py: output to its spool from here, then exit
         crashed = self.watch.exit_gracefully(grace_s, self.stop)
         self.mark("exited")
         if crashed:

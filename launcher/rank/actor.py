@@ -239,6 +239,14 @@ class RankActor:
             self.capture.end_control()
         return replace(result, lingering=tuple(lingering(self.atexit_before)))
 
+    def leave(self) -> None:
+        """Exit as a Python process does (non-daemon threads joined, atexit handlers run), told by the
+        driver once every rank returned. The output thread stops calling Ray first (Capture
+        `stop_sending`): Ray's worker is shut down before the exit handlers run."""
+        if self.capture is not None:
+            self.capture.stop_sending()
+        ray.actor.exit_actor()
+
     def call(self, fn, args: tuple, kwargs: dict, noise: tuple[str, ...] = ()) -> RankOutcome:
         """Run `fn(*args, **kwargs)` here (a rank group's method call), failures as data; tracebacks
         start after the frames of `noise`'s files (a runner's own)."""

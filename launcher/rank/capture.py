@@ -41,6 +41,8 @@ class Capture:
         self.sink, self.rank = sink, rank
         self.last_ref = None
         self.sent = 0  # bytes of the spool sent to the sink
+        self.stopped = False  # the process is exiting: no more Ray calls (`stop_sending`)
+        self._sending = threading.Lock()
         sys.stdout.flush()
         sys.stderr.flush()
         write_fd = os.open(spool, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o600)
@@ -101,9 +103,24 @@ class Capture:
             # A moment's wait gathers a burst of lines into one message to the sink.
             time.sleep(PUMP_GATHER_S)
             data += os.read(self.read_fd, (1 << 20) - len(data)) if len(data) < 1 << 20 else b""
-            self.last_ref = self.sink.write.remote(self.rank, data, self.sent)
-            sent = self.last_ref.future()
-            self.sent += len(data)
+            with self._sending:
+                if self.stopped:  # what was read stays in the spool: the exit watch ships it
+                    return
+                self.last_ref = self.sink.write.remote(self.rank, data, self.sent)
+                sent = self.last_ref.future()
+                self.sent += len(data)
+
+    def stop_sending(self, timeout_s: float = 5.0) -> None:
+        """Before the process exits: Ray shuts its worker down before Python's exit handlers run, and
+        a Ray call after that ends the process at once, the rest of the handlers unrun (an exit that
+        looked like a crash, now and then, on a loaded machine). What they print stays in the spool,
+        which the driver's exit watch ships (rank/spool.py exit_and_ship)."""
+        with self._sending:
+            self.stopped = True
+            last = self.last_ref
+        if last is not None:
+            with contextlib.suppress(Exception):
+                wait_futures([last.future()], timeout=timeout_s)
 
     def sync(self, timeout_s: float = 10.0) -> None:
         """Return once everything written so far has reached the driver's sink (before the rank
@@ -142,8 +159,8 @@ def report(
     unconditionally.
     """
     sink = current_sink()
-    if sink is None:
-        return  # not a megaray rank (torchrun, or a plain process)
+    if sink is None or _current.stopped:
+        return  # not a megaray rank (torchrun, or a plain process), or one exiting
     record = {"iteration": int(iteration), "time": time.time()}
     values = (("total", total), ("loss", loss), ("tokens", tokens), ("lr", lr), ("flops", flops))
     for key, value in values:
