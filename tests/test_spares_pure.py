@@ -71,6 +71,7 @@ def test_warm_applies_the_env_first_and_reports_what_did_not_import(monkeypatch)
 def test_a_spare_waits_for_the_process_it_replaces():
     assert wait_gone(2**22 + 12345, timeout_s=0.1)  # no such pid: gone
     assert not wait_gone(os.getpid(), timeout_s=0.1)  # still here when the wait ends
+    assert wait_gone(os.getpid(), timeout_s=60, sooner=lambda: True)  # a spare's GPU with room: at once
 
 
 def test_a_rank_importing_ahead_of_its_own_program_keeps_what_the_imports_set(tmp_path, monkeypatch):

@@ -12,10 +12,9 @@ nothing was seen, the spare waits for the process to be gone, as before.
 from __future__ import annotations
 
 import threading
-import time
 
 from .nvml import DEFAULT_COMPUTE_MODE, memory_use
-from .probes import process_state
+from .probes import process_state, wait_gone
 
 SAMPLE_EVERY_S = 1.0
 MARGIN = 1.1  # of the most the rank used: the caching allocator's growth after the first steps
@@ -51,12 +50,11 @@ class GpuUse:
             self.read()
             self._stop.wait(SAMPLE_EVERY_S)
 
-    def read(self) -> list[tuple[int, int, int]] | None:
+    def read(self) -> None:
         use = memory_use()
         for i in self.indices:
             if use is not None and i < len(use):
                 self.peak[i] = max(self.peak.get(i, 0), use[i][0])
-        return use
 
     def stop(self) -> None:
         self._stop.set()
@@ -75,18 +73,12 @@ class GpuUse:
         return None
 
 
-def wait_replaced(pid: int, gpus: GpuUse | None, timeout_s: float, poll_s: float = 0.02) -> str:
+def wait_replaced(pid: int, gpus: GpuUse | None, timeout_s: float) -> str:
     """Wait for the process a spare replaces to be gone, or its GPUs to have room for the spare's
     rank (`gpus`: what the spare saw the rank use); says which, or that the wait timed out."""
     if gpus is not None:
         gpus.stop()
-    deadline, last_room_check = time.monotonic() + timeout_s, 0.0
-    while time.monotonic() < deadline:
-        if process_state(pid) in (None, "Z"):
-            return "gone"
-        if gpus is not None and time.monotonic() - last_room_check > 0.1:
-            last_room_check = time.monotonic()
-            if gpus.problem() is None:
-                return "room on its GPU"
-        time.sleep(poll_s)
-    return "timed out"
+    room = (lambda: gpus.problem() is None) if gpus is not None else None
+    if not wait_gone(pid, timeout_s, room):
+        return "timed out"
+    return "gone" if process_state(pid) in (None, "Z") else "room on its GPU"

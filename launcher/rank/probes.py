@@ -19,6 +19,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,11 +43,20 @@ class Stat:
     start_ticks: int  # when it started, in clock ticks after boot: a reused pid has a later one
 
 
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text()
+    except OSError:
+        return None
+
+
 def stat(pid: int) -> Stat | None:
     """None when there is no such process."""
-    try:
-        text = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+    return _parsed(pid, _read(f"/proc/{pid}/stat"))
+
+
+def _parsed(pid: int, text: str | None) -> Stat | None:
+    if text is None:
         return None
     try:  # the command name may hold spaces and parentheses: the fields follow the last ')'
         fields = text[text.rindex(")") + 2 :].split()
@@ -151,10 +161,11 @@ def wait_exited(pids: list[int], grace_s: float) -> tuple[list[float | None], li
         for i, pid in enumerate(pids):
             if took[i] is not None:
                 continue
-            end = ending(pid)
+            text = _read(f"/proc/{pid}/stat")  # read once: its state, and how it exits
+            end = process_end(pid, text, None)
             if end is not None and end.status is not None and status[i] is None:
                 status[i] = end.status  # seen exiting (or a zombie): how
-            if process_state(pid) in (None, "Z"):
+            if (s := _parsed(pid, text)) is None or s.state == "Z":
                 took[i] = round(time.monotonic() - start, 3)
         if all(t is not None for t in took):
             return took, status
@@ -179,23 +190,22 @@ def interface_of(ip: str) -> str | None:
 REPLACED_EXIT_TIMEOUT_S = 30.0
 
 
-def _read(path: str) -> str | None:
-    try:
-        return Path(path).read_text()
-    except OSError:
-        return None
-
-
 def ending(pid: int) -> ProcessEnd | None:
     """Whether process `pid` on this node is ending (core/deaths.py), and with what status."""
     return process_end(pid, _read(f"/proc/{pid}/stat"), _read(f"/proc/{pid}/status"))
 
 
-def wait_gone(pid: int, timeout_s: float) -> bool:
-    """Wait for process `pid` on this node to exit (a zombie has exited); False on timeout."""
-    deadline = time.monotonic() + timeout_s
+def wait_gone(pid: int, timeout_s: float, sooner: Callable[[], bool] | None = None) -> bool:
+    """Wait for process `pid` on this node to exit (a zombie has exited), or for `sooner()` to say
+    the wait is over (asked every 0.1 s: a warm spare's GPU with room, rank/gpu_room.py); False on
+    timeout."""
+    deadline, asked = time.monotonic() + timeout_s, 0.0
     while time.monotonic() < deadline:
         if process_state(pid) in (None, "Z"):
             return True
+        if sooner is not None and time.monotonic() - asked > 0.1:
+            asked = time.monotonic()
+            if sooner():
+                return True
         time.sleep(0.02)
     return False
