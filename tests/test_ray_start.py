@@ -49,8 +49,8 @@ SEGFAULT = (
     + """
 import ctypes
 sys.stdout.flush()
-if rank == 3:
-    print("rank 3 is about to crash", flush=True)
+if rank == 1:
+    print("rank 1 is about to crash", flush=True)
     ctypes.string_at(0)
 time.sleep(600)
 """
@@ -64,15 +64,21 @@ time.sleep(float(sys.argv[1]))
 """
 )
 
-SECRETS = (
+HOLDER = (  # runs until the file argv[1] exists (at most 2 minutes)
     GLOO
     + """
+sys.stdout.flush()
+deadline = time.time() + 120
+while not os.path.exists(sys.argv[1]) and time.time() < deadline:
+    time.sleep(0.1)
+"""
+)
+
+SEES_SECRETS = """
 import json
-out = sys.argv[1]
 seen = {k: os.environ.get(k) for k in ("DATABASE_URL", "HF_TOKEN")}
 json.dump(seen, open(os.path.join(out, f"seen-{rank}"), "w"))
 """
-)
 
 
 @pytest.fixture(scope="module")
@@ -103,32 +109,39 @@ def script(tmp_path: Path, name: str, text: str) -> str:
 
 
 LAYOUT = ["--nodes", "2", "--gpus-per-node", "2"]
+# A rank per node, for what needs two nodes and not two ranks on each: half the rank processes. With
+# --cpus-per-rank 2 it fills the cluster as LAYOUT does, where a test needs it full.
+PAIR = ["--nodes", "2", "--gpus-per-node", "1"]
+FULL = [*PAIR, "--cpus-per-rank", "2"]
 
 
-def test_exit_handlers_run_and_their_output_is_kept_on_every_node(cluster, tmp_path):
+def test_exit_handlers_run_secrets_reach_the_ranks_and_neither_is_lost_or_leaked(cluster, tmp_path):
+    """One launch, two nodes of two ranks (formerly two tests): every rank's exit handlers and threads
+    run and their output is kept; the secrets given with --env reach every rank and no file or console."""
     out = tmp_path / "out"
     out.mkdir()
     runs = tmp_path / "runs"
-    code, text = run(
-        cluster,
-        [
-            "--job-name",
-            "rs-exit",
-            *LAYOUT,
-            "--runs-dir",
-            str(runs),
-            script(tmp_path, "x.py", EXIT_HANDLERS),
-            str(out),
-        ],
-    )
+    db = "postgres://app:hunter2-db@db.internal:5432/x"
+    secrets = ["--env", f"DATABASE_URL={db}", "--env", "HF_TOKEN=hf_hunter2tok"]
+    program = script(tmp_path, "x.py", EXIT_HANDLERS + SEES_SECRETS)
+    code, text = run(cluster, ["--job-name", "rs-exit", *secrets, *LAYOUT, "--runs-dir", str(runs), program,
+                               str(out)])  # fmt: skip
     assert code == 0, text[-3000:]
     assert "uses token authentication: sending the token from" in text
     assert "[r0 n0] rank 0 of 4 on node 0: sum 4" in text
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        f"{k}-{r}" for k in ("atexit", "thread") for r in range(4)
+        f"{k}-{r}" for k in ("atexit", "thread", "seen") for r in range(4)
     )
     assert "[r3 n1] rank 3 says goodbye from atexit" in (runs / "rs-exit" / "rank-3.log").read_text()
     assert cluster.alive("rs-exit") == ([], [])
+    for r in range(4):
+        assert (out / f"seen-{r}").read_text() == f'{{"DATABASE_URL": "{db}", "HF_TOKEN": "hf_hunter2tok"}}'
+    assert "hunter2" not in text
+    run_dir = runs / "rs-exit"
+    assert run_dir.stat().st_mode & 0o777 == 0o700
+    for f in run_dir.iterdir():
+        assert f.stat().st_mode & 0o777 == 0o600, f
+        assert "hunter2" not in f.read_text(), f
 
 
 def test_a_rank_that_crashes_on_the_worker_keeps_its_last_output_and_names_the_signal(cluster, tmp_path):
@@ -136,15 +149,15 @@ def test_a_rank_that_crashes_on_the_worker_keeps_its_last_output_and_names_the_s
     t0 = time.monotonic()
     code, text = run(
         cluster,
-        ["--job-name", "rs-segv", *LAYOUT, "--runs-dir", str(runs), script(tmp_path, "s.py", SEGFAULT)],
+        ["--job-name", "rs-segv", *PAIR, "--runs-dir", str(runs), script(tmp_path, "s.py", SEGFAULT)],
     )
     took = time.monotonic() - t0
     assert code == 1, text[-3000:]
     report = text[text.index("Root cause") :]
-    assert "rank      : 3 of 4" in report and "killed by SIGSEGV" in report
-    assert "    rank 3 is about to crash" in report and 's.py", line' in report
+    assert "rank      : 1 of 2" in report and "killed by SIGSEGV" in report
+    assert "    rank 1 is about to crash" in report and 's.py", line' in report
     assert "(raylet)" not in text and "A worker died" not in text  # Ray's paragraphs, one per rank
-    assert "[r3 n1] rank 3 is about to crash" in (runs / "rs-segv" / "rank-3.log").read_text()
+    assert "[r1 n1] rank 1 is about to crash" in (runs / "rs-segv" / "rank-1.log").read_text()
     assert cluster.alive("rs-segv") == ([], [])
     assert took < 90
 
@@ -204,36 +217,18 @@ def test_token_problems_are_one_line_at_once(cluster, tmp_path, env, message):
 def test_a_job_name_in_use_is_refused_and_the_running_job_is_untouched(cluster, tmp_path):
     runs = tmp_path / "runs"
     sleeper = script(tmp_path, "z.py", SLEEPER)
-    first = driver(cluster, ["--job-name", "rs-dup", *LAYOUT, "--runs-dir", str(runs), sleeper, "8"])
+    first = driver(cluster, ["--job-name", "rs-dup", *PAIR, "--runs-dir", str(runs), sleeper, "8"])
     log = runs / "rs-dup" / "rank-0.log"
     deadline = time.monotonic() + 120
-    while not (log.exists() and "sum 4" in log.read_text()):
+    while not (log.exists() and "sum 2" in log.read_text()):
         assert first.poll() is None and time.monotonic() < deadline, first.communicate()[0][-3000:]
         time.sleep(0.3)
-    code, text = run(cluster, ["--job-name", "rs-dup", *LAYOUT, "--runs-dir", str(runs), sleeper, "0"])
+    code, text = run(cluster, ["--job-name", "rs-dup", *PAIR, "--runs-dir", str(runs), sleeper, "0"])
     assert code == 2 and "rs-dup" in text and "Traceback" not in text, text[-3000:]
     out, _ = first.communicate(timeout=120)
     assert first.returncode == 0, out[-3000:]
     assert '"status": "succeeded"' in (runs / "rs-dup" / "summary.json").read_text()
     assert cluster.alive("rs-dup") == ([], [])
-
-
-def test_secrets_reach_the_ranks_and_no_file_or_console(cluster, tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    runs = tmp_path / "runs"
-    db = "postgres://app:hunter2-db@db.internal:5432/x"
-    secrets = ["--env", f"DATABASE_URL={db}", "--env", "HF_TOKEN=hf_hunter2tok"]
-    code, text = run(cluster, ["--job-name", "rs-secret", *secrets, *LAYOUT, "--runs-dir", str(runs),
-                               script(tmp_path, "p.py", SECRETS), str(out)])  # fmt: skip
-    assert code == 0, text[-3000:]
-    assert (out / "seen-3").read_text() == f'{{"DATABASE_URL": "{db}", "HF_TOKEN": "hf_hunter2tok"}}'
-    assert "hunter2" not in text
-    run_dir = runs / "rs-secret"
-    assert run_dir.stat().st_mode & 0o777 == 0o700
-    for f in run_dir.iterdir():
-        assert f.stat().st_mode & 0o777 == 0o600, f
-        assert "hunter2" not in f.read_text(), f
 
 
 def megaray(cluster: RayStartCluster, *args: str) -> subprocess.CompletedProcess:
@@ -242,43 +237,52 @@ def megaray(cluster: RayStartCluster, *args: str) -> subprocess.CompletedProcess
 
 def test_a_warm_pool_on_the_cluster_is_taken_by_a_launch_there_refilled_and_given_back(cluster, tmp_path):
     gcs = cluster.gcs
-    up = megaray(cluster, "up", "--warm", "--address", gcs, "--device", "cpu", *LAYOUT)
+    up = megaray(cluster, "up", "--warm", "--address", gcs, "--device", "cpu", *FULL)
     assert up.returncode == 0, up.stderr[-3000:]
-    assert f"a warm pool of 2 node(s) x 2 CPU ranks is ready at {gcs}" in up.stderr
+    assert f"a warm pool of 2 node(s) x 1 CPU ranks is ready at {gcs}" in up.stderr
     listed = megaray(cluster, "list", "--address", gcs)
-    assert f"warm pool at {gcs}: 2 node(s) x 2 CPU ranks, ready: 4 process(es)" in listed.stdout, listed
+    assert f"warm pool at {gcs}: 2 node(s) x 1 CPU ranks, ready: 2 process(es)" in listed.stdout, listed
     out = tmp_path / "out"
     out.mkdir()
-    code, text = run(cluster, ["--job-name", "rs-pool", *LAYOUT, "--runs-dir", str(tmp_path / "runs"),
+    code, text = run(cluster, ["--job-name", "rs-pool", *FULL, "--runs-dir", str(tmp_path / "runs"),
                                script(tmp_path, "x.py", EXIT_HANDLERS), str(out)])  # fmt: skip
     assert code == 0, text[-3000:]
-    assert "taking the warm pool (4 processes with torch imported)" in text
-    assert "[r0 n0] rank 0 of 4 on node 0: sum 4" in text and len(list(out.iterdir())) == 8
+    assert "taking the warm pool (2 processes with torch imported)" in text
+    assert "[r0 n0] rank 0 of 2 on node 0: sum 2" in text and len(list(out.iterdir())) == 4
     assert cluster.alive("rs-pool") == ([], [])
-    # a launch of another layout while a job runs in the refilled pool: the pool is not taken from it
-    sleeper = driver(cluster, ["--job-name", "rs-pool2", *LAYOUT, "--runs-dir", str(tmp_path / "runs"),
-                               script(tmp_path, "z.py", SLEEPER), "15"])  # fmt: skip
+    # a launch of the pool's layout that holds it until told (the file `release`)
+    release, said = tmp_path / "release", tmp_path / "rs-pool2.out"
+    holder = driver(cluster, ["--job-name", "rs-pool2", *FULL, "--runs-dir", str(tmp_path / "runs"),
+                              script(tmp_path, "z.py", HOLDER), str(release)], log=said)  # fmt: skip
     log = tmp_path / "runs" / "rs-pool2" / "rank-0.log"
     deadline = time.monotonic() + 120
-    while not (log.exists() and "sum 4" in log.read_text()):
-        assert sleeper.poll() is None and time.monotonic() < deadline, sleeper.communicate()[0][-3000:]
+    while not (log.exists() and "sum 2" in log.read_text()):
+        assert holder.poll() is None and time.monotonic() < deadline, said.read_text()[-3000:]
         time.sleep(0.3)
-    # a second launch of the pool's layout meanwhile (the first sleeps 15 s): it starts cold and waits
-    # for room, which the first launch's end frees; the pool is not refilled into that room ahead of it
-    # (it was, and the second launch failed after --placement-timeout beside an idle pool of its layout)
-    other = driver(cluster, ["--job-name", "rs-other", *LAYOUT, "--runs-dir", str(tmp_path / "runs"),
-                             script(tmp_path, "y.py", GLOO)])  # fmt: skip
-    out2, _ = sleeper.communicate(timeout=120)
-    assert sleeper.returncode == 0 and "taking the warm pool" in out2, out2[-3000:]
+    # a second launch of the pool's layout meanwhile: it starts cold and waits for room, which the first
+    # launch's end frees; the pool is not refilled into that room ahead of it (it was, and the second
+    # launch failed after --placement-timeout beside an idle pool of its layout)
+    other_said = tmp_path / "rs-other.out"
+    other = driver(cluster, ["--job-name", "rs-other", *FULL, "--runs-dir", str(tmp_path / "runs"),
+                             script(tmp_path, "y.py", GLOO)], log=other_said)  # fmt: skip
+    groups = "list_placement_groups(address=URL, limit=10000)"
+    pending = f"result = [g.state for g in {groups} if g.name == 'rs-other-node0']"
+    while cluster.query(pending) != ["PENDING"]:  # it waits for room: the first launch may end
+        assert other.poll() is None and time.monotonic() < deadline, other_said.read_text()[-3000:]
+        time.sleep(0.5)
+    release.touch()
+    assert holder.wait(timeout=120) == 0, said.read_text()[-3000:]
+    out2 = said.read_text()
+    assert "taking the warm pool" in out2, out2[-3000:]
     assert "a launch is waiting for room (placement group rs-other-node" in out2, out2[-3000:]
-    text, _ = other.communicate(timeout=120)
-    assert other.returncode == 0, text[-3000:]
+    assert other.wait(timeout=120) == 0, other_said.read_text()[-3000:]
+    text = other_said.read_text()
     assert "the warm pool is in use by job rs-pool2: this launch starts cold" in text, text[-3000:]
     listed = megaray(cluster, "list", "--address", gcs)  # refilled at the end of the launch
-    assert re.search(r"2 CPU ranks, (ready: 4|importing: \d of 4)", listed.stdout), listed
+    assert re.search(r"1 CPU ranks, (ready: 2|importing: \d of 2)", listed.stdout), listed
     down = megaray(cluster, "down", "--address", gcs)
     assert (
-        down.returncode == 0 and f"gave back the warm pool of 2 node(s) x 2 CPU ranks at {gcs}" in down.stderr
+        down.returncode == 0 and f"gave back the warm pool of 2 node(s) x 1 CPU ranks at {gcs}" in down.stderr
     )
     assert cluster.alive("megaray-pool") == ([], [])
     assert f"pool at {gcs}: none" in (listed := megaray(cluster, "list", "--address", gcs).stdout)

@@ -103,14 +103,15 @@ def wait_for_line(path: Path, pattern: str, proc: subprocess.Popen, timeout_s: f
 def test_a_killed_rank_is_relaunched_and_training_resumes_from_the_last_checkpoint(cluster, tmp_path):
     runs, ckpt = tmp_path / "runs", tmp_path / "ckpt"
     job = "resume"
-    args = f"--nodes 2 --gpus-per-node 2 --max-restarts 1 --dry-run steps=40 save={ckpt} save_every=5"
+    # a rank per node: the two nodes, their spares and the relaunch, at half the processes of 2 x 2
+    args = f"--nodes 2 --gpus-per-node 1 --max-restarts 1 --dry-run steps=40 save={ckpt} save_every=5"
     proc = driver(cluster, job, runs, args)
     wait_for_line(runs / job / "rank-0.log", r"saved checkpoint at iteration 10\b", proc)
-    victim = json.loads((runs / job / "topology.json").read_text())["ranks"][3]["pid"]
+    victim = json.loads((runs / job / "topology.json").read_text())["ranks"][1]["pid"]
     os.kill(victim, 9)
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 0, out[-5000:]
-    assert "restart 1 of 1 after: rank 3 on" in out and "SIGKILL" in out
+    assert "restart 1 of 1 after: rank 1 on" in out and "SIGKILL" in out
     assert "a signal sent from outside the job" in out
     # the relaunch ran on the spares started beside the first attempt, in its placement groups
     assert "relaunching every rank (on the warm spares)" in out
@@ -176,11 +177,11 @@ def _node_of_rank(cluster, runs: Path, job: str, rank: int):
 
 def test_a_lost_node_is_detected_and_the_job_relaunched_when_a_node_returns(cluster, tmp_path):
     proc = driver(
-        cluster, "nodeloss", tmp_path, f"--nodes 2 --gpus-per-node 2 --max-restarts 1 {_loop(tmp_path)}"
+        cluster, "nodeloss", tmp_path, f"--nodes 2 --gpus-per-node 1 --max-restarts 1 {_loop(tmp_path)}"
     )
     wait_for_line(tmp_path / "nodeloss" / "rank-0.log", r"restart 0 step 5\b", proc)
-    wait_for_spares("nodeloss", 4, proc)
-    cluster.remove_node(_node_of_rank(cluster, tmp_path, "nodeloss", 3))
+    wait_for_spares("nodeloss", 2, proc)
+    cluster.remove_node(_node_of_rank(cluster, tmp_path, "nodeloss", 1))
     time.sleep(2)
     cluster.add_node(**NODE)
     out, _ = proc.communicate(timeout=240)
@@ -194,15 +195,15 @@ def test_a_lost_node_is_detected_and_the_job_relaunched_when_a_node_returns(clus
 
 
 def test_a_lost_node_that_never_returns_fails_clearly(cluster, tmp_path):
-    args = f"--nodes 2 --gpus-per-node 2 --max-restarts 1 --placement-timeout 5 {_loop(tmp_path)}"
+    args = f"--nodes 2 --gpus-per-node 1 --max-restarts 1 --placement-timeout 5 {_loop(tmp_path)}"
     proc = driver(cluster, "gone", tmp_path, args)
     wait_for_line(tmp_path / "gone" / "rank-0.log", r"restart 0 step 5\b", proc)
-    cluster.remove_node(_node_of_rank(cluster, tmp_path, "gone", 3))
+    cluster.remove_node(_node_of_rank(cluster, tmp_path, "gone", 1))
     out, _ = proc.communicate(timeout=240)
     assert proc.returncode == 2, out[-5000:]
     assert "restart 1 of 1 after: rank" in out
     # named as the node it was, not as a process that exited
-    assert re.search(r"its node \S+ \(node id [0-9a-f]{8}\) was lost: .* it took rank\(s\) 2-3 with it", out)
+    assert re.search(r"its node \S+ \(node id [0-9a-f]{8}\) was lost: .* it took rank\(s\) 1 with it", out)
     assert "not placed within 5s" in out.splitlines()[-2] + out.splitlines()[-1]
     assert leftovers("gone") == ([], [])
     cluster.add_node(**NODE)  # leave the cluster as the other tests found it
@@ -229,9 +230,9 @@ def _loop(tmp_path: Path) -> Path:
 
 
 def test_stopping_a_job_with_warm_spares_leaves_nothing(cluster, tmp_path):
-    args = f"--nodes 2 --gpus-per-node 2 --max-restarts 1 {_loop(tmp_path)}"
+    args = f"--nodes 2 --gpus-per-node 1 --max-restarts 1 {_loop(tmp_path)}"
     proc = driver(cluster, "stopspares", tmp_path, args)
-    wait_for_spares("stopspares", 4, proc)
+    wait_for_spares("stopspares", 2, proc)
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
     assert proc.returncode == 130, out[-4000:]
