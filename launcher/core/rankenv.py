@@ -230,7 +230,12 @@ def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
 # runs at 0; a cluster started by hand keeps its own (`ray start` with RAY_worker_niceness=0 gives
 # the same). A rank removes the variable from its environment (rank/actor.py): torchrun's have none.
 NICENESS_VAR = "RAY_worker_niceness"
-NODE_DEFAULTS = {NICENESS_VAR: "0"}
+# On SIGTERM (how `megaray down`, or an `up` interrupted while it starts, stops a node it started),
+# Ray 2.60's `ray start --block` first drains its node for up to 30 s, so that Ray Serve's proxies stop
+# taking traffic: a node still starting waited all of it and was then killed, a `down` while a job ran
+# as long. The nodes megaray starts serve its launches: nothing to drain. A rank drops it too.
+DRAIN_VAR = "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S"
+NODE_DEFAULTS = {NICENESS_VAR: "0", DRAIN_VAR: "0"}
 
 
 # Read when a process starts, by the interpreter (PYTHONHASHSEED, PYTHONWARNINGS, PYTHONDEVMODE,

@@ -23,7 +23,8 @@ NODE_ENV_PREFIXES = ("LC_", "RAY_", "PYENV", "OPENBLAS_")
 
 def node_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The environment a node megaray starts runs with: what `environ` holds of NODE_ENV, over the
-    node defaults (core/rankenv.py NODE_DEFAULTS: ranks at niceness 0; the driver's own value wins)."""
+    node defaults (core/rankenv.py NODE_DEFAULTS: ranks at niceness 0, a node stopped without a
+    drain; the driver's own value wins)."""
     keep = {k: v for k, v in environ.items() if k in NODE_ENV or k.startswith(NODE_ENV_PREFIXES)}
     return {**NODE_DEFAULTS, **keep}
 

@@ -135,10 +135,6 @@ def start(
     env.pop("RAY_ADDRESS", None)
     # Ray 2.60's default for a new head; a worker joining by address needs it said
     env.setdefault("RAY_AUTH_MODE", "token")
-    # `ray start --block` on SIGTERM (how `down`, or an interrupted start, stops a node) first drains
-    # its node for up to 30 s, so that Ray Serve's proxies stop taking traffic; a node still starting
-    # waited all of it, and was then killed. These nodes serve megaray's launches: nothing to drain.
-    env.setdefault("RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S", "0")
     if not auth_disabled(env):
         ensure_token(env, Path.home())
     per_node = ["--num-cpus", str(cpus), "--num-gpus", str(gpus)]
