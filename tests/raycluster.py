@@ -15,6 +15,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from launcher.core.rankenv import DRAIN_VAR
+
 from .conftest import free_port
 
 BIN = os.path.dirname(sys.executable)
@@ -136,10 +138,11 @@ def start_cluster(num_cpus: int, num_gpus: int = 0) -> RayStartCluster:
         "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN_PATH": str(token),
         "RAY_DEDUP_LOGS": "0",
-        # a node stopped (SIGTERM to its `ray start`) goes at once, as a machine that goes away does:
-        # Ray 2.60 first drains it for up to 30 s (for Ray Serve's proxies), a node running ranks all
-        # of it, and megaray's report of the node lost waited for that
-        "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0",
+        # a node stopped (SIGTERM to its `ray start`) goes at once, as a machine that goes away does and
+        # as the nodes megaray starts do (core/rankenv.py): Ray 2.60 first drains it for up to 30 s (for
+        # Ray Serve's proxies), a node running ranks all of it, and megaray's report of the node lost
+        # waited for that
+        DRAIN_VAR: "0",
     }
     env.pop("RAY_ADDRESS", None)
     port, dash = free_port(), free_port()
