@@ -3,6 +3,8 @@
 Items, each megaray beside torchrun where both apply:
   parity    gpt_small step time and time to the first iteration; the progress view against bridge's
             own log (tokens/s, TFLOP/s/GPU); peak GPU memory
+  cold      command start to iteration 1, repeated in rounds that alternate who goes first: torchrun
+            beside megaray starting its own Ray, then beside megaray attached to a running Ray
   warm      the parity run again on `megaray up --warm --recipe gpt_small` (bridge imported ahead, the
             preflight's config built in the pool's process), to the first iteration beside torchrun's
   arch      a real architecture (Qwen3-8B's config at 2 layers, from the HF fixture) the same way
@@ -39,13 +41,19 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
-ITEMS = ("parity", "warm", "arch", "restart", "doctor", "overhead")
+ITEMS = ("parity", "cold", "warm", "arch", "restart", "doctor", "overhead")
 FIXTURE_QWEN3 = REPO / "tests" / "fixtures" / "hf" / "Qwen--Qwen3-8B"
 
 # What the runs train: Megatron logs every iteration, with its own TFLOP/s/GPU.
 COMMON = ["logger.log_interval=1", "logger.log_throughput=true", "validation.eval_iters=0",
           "validation.eval_interval=100000"]  # fmt: skip
 PARITY = ["train.train_iters=30", "scheduler.lr_decay_iters=30", *COMMON]
+# To the first iteration only: the recipe's warm-up (4 iterations) and one more.
+COLD = ["train.train_iters=5", "scheduler.lr_decay_iters=5", *COMMON]
+# megaray's two ways to start cold, each timed against torchrun in rounds of its own: the Ray for
+# "attached" runs throughout its rounds, and a second Ray beside the "local" runs' own would share
+# Ray's default ports with them.
+COLD_MODES = ("local", "attached")
 ARCH = ["model.num_layers=2", "model.seq_length=4096", "dataset.seq_length=4096",
         "train.micro_batch_size=1", "train.global_batch_size=8", "train.train_iters=20",
         "scheduler.lr_warmup_iters=2", "scheduler.lr_decay_iters=20", *COMMON]  # fmt: skip
@@ -159,6 +167,26 @@ def compare_progress(
     return out
 
 
+def cold_order(round_: int) -> tuple[str, str]:
+    """Who goes first in a round of the cold item: torchrun in even rounds, megaray in odd ones, so
+    that neither is always the one after a teardown (file cache, GPU clocks, a Ray stopping)."""
+    return ("torchrun", "megaray") if round_ % 2 == 0 else ("megaray", "torchrun")
+
+
+def cold_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The medians of one cold mode's rounds, and each round's ratio (megaray / torchrun)."""
+    firsts = {who: [r[who] for r in runs if r.get(who) is not None] for who in ("torchrun", "megaray")}
+    medians = {who: statistics.median(v) if v else None for who, v in firsts.items()}
+    ratios = [r["megaray"] / r["torchrun"] for r in runs if r.get("megaray") and r.get("torchrun")]
+    return {
+        **{f"{who}_median_s": m for who, m in medians.items()},
+        "ratio_of_medians": medians["megaray"] / medians["torchrun"]
+        if medians["megaray"] and medians["torchrun"]
+        else None,
+        "round_ratios": ratios,
+    }
+
+
 # -- rendering (pure) -------------------------------------------------------------------------------
 
 
@@ -187,6 +215,8 @@ def render(results: dict[str, Any]) -> str:
     for name in ("parity", "arch"):
         if name in results:
             out += _render_pair(name, results[name])
+        if name == "parity" and "cold" in results:
+            out += _render_cold(results["cold"])
         if name == "parity" and "warm" in results:
             out += _render_warm(results["warm"])
     if "restart" in results:
@@ -245,6 +275,43 @@ def _render_pair(name: str, r: dict[str, Any]) -> list[str]:
     if r.get("error"):
         out += ["", f"Failed: {r['error']}"]
     return out
+
+
+_COLD_TITLES = {"local": "megaray starting its own Ray", "attached": "megaray attached to a running Ray"}
+
+
+def _render_cold(r: dict[str, Any]) -> list[str]:
+    out = ["", f"### 1a. Cold, to the first iteration: {r.get('what', '')}", "",
+           _row("", "rounds (who first)", "torchrun, median", "megaray, median", "ratio of medians",
+                "each round's ratio"),
+           _row("---", "---", "---", "---", "---", "---")]  # fmt: skip
+    for mode in COLD_MODES:
+        x = r.get(mode)
+        if not x:
+            continue
+        runs = x.get("runs", [])
+        order = ", ".join(f"{run.get('first', '?')}" for run in runs)
+        out.append(
+            _row(
+                _COLD_TITLES[mode],
+                f"{len(runs)} ({order})",
+                f"{_f(x.get('torchrun_median_s'))} s",
+                f"{_f(x.get('megaray_median_s'))} s",
+                f"**{_f(x.get('ratio_of_medians'), '.2f')}x**",
+                ", ".join(_f(v, ".2f") for v in x.get("round_ratios", [])),
+            )
+        )
+    for mode in COLD_MODES:
+        for i, run in enumerate((r.get(mode) or {}).get("runs", [])):
+            if run.get("preflight"):
+                out += [
+                    "",
+                    f"megaray's preflight, {mode}, round {i + 1}:",
+                    *(f"- {line}" for line in run["preflight"]),
+                ]
+            if run.get("exit_codes") and any(run["exit_codes"].values()):
+                out += ["", f"{mode}, round {i + 1}: exit codes {run['exit_codes']}"]
+    return out + (["", f"Failed: {r['error']}"] if r.get("error") else [])
 
 
 def _render_warm(r: dict[str, Any]) -> list[str]:
@@ -498,8 +565,12 @@ def preflight_lines(lines: list[tuple[float, str]]) -> list[str]:
 
 def item_warm(suite: Suite, results: dict[str, Any]) -> dict[str, Any]:
     """`megaray up --warm --recipe gpt_small`, then the parity run on it, beside torchrun's first
-    iteration from the parity item of this run (torchrun run here when that item was not)."""
+    iteration from the parity item of this run, else the cold item's median (torchrun run here when
+    neither was)."""
     torchrun = (results.get("parity") or {}).get("torchrun") or {}
+    cold = (results.get("cold") or {}).get("local") or {}
+    if not torchrun.get("first_iteration_s") and cold.get("torchrun_median_s"):
+        torchrun = {"first_iteration_s": cold["torchrun_median_s"]}  # the same steps to iteration 1
     if not torchrun.get("first_iteration_s"):
         t = suite.run("warm-torchrun", [*suite.torchrun(), "--recipe", "gpt_small", *PARITY], 420)
         torchrun = steady(parse_run(t.lines), 10)
@@ -524,6 +595,43 @@ def item_warm(suite: Suite, results: dict[str, Any]) -> dict[str, Any]:
         "took_pool": any("taking the warm pool" in line for _, line in m.lines),
         "preflight": preflight_lines(m.lines),
     }
+
+
+def item_cold(suite: Suite, rounds: int) -> dict[str, Any]:
+    """`gpt_small` to its first iteration, torchrun and megaray alternately first (`cold_order`), in
+    `rounds` rounds per mode: megaray starting its own Ray, then attached to one started here (as a
+    cluster's users run it). Nothing is imported ahead in either."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from common import ray_cluster
+
+    out: dict[str, Any] = {
+        "what": f"`gpt_small` ({' '.join(COLD[:2])}), from the command to iteration 1, {rounds} round(s) per "
+        "mode, torchrun and megaray taking turns to go first"
+    }
+    for mode in COLD_MODES:
+        runs: list[dict[str, Any]] = []
+        with contextlib.ExitStack() as stack:
+            extra: list[str] = []
+            if mode == "attached":
+                gpus = 1 if shutil.which("nvidia-smi") else 0
+                address = stack.enter_context(ray_cluster(nodes=1, cpus_per_node=os.cpu_count() or 2,
+                                                          gpus_per_node=gpus))  # fmt: skip
+                extra = ["--address", address]
+            for r in range(rounds):
+                if suite.left() < 90:
+                    break
+                run: dict[str, Any] = {"first": cold_order(r)[0], "exit_codes": {}}
+                for who in cold_order(r):
+                    name = f"cold-{mode}-{r}-{who}"
+                    cmd = suite.torchrun() if who == "torchrun" else suite.megaray(name, extra)
+                    s = suite.run(name, [*cmd, "--recipe", "gpt_small", *COLD], 300)
+                    run["exit_codes"][who] = s.rc
+                    run[who] = steady(parse_run(s.lines), 0)["first_iteration_s"]
+                    if who == "megaray":
+                        run["preflight"] = preflight_lines(s.lines)
+                runs.append(run)
+        out[mode] = {"runs": runs, **cold_summary(runs)}
+    return out
 
 
 def item_parity(suite: Suite) -> dict[str, Any]:
@@ -758,6 +866,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--overhead-ranks", type=int, nargs="+", default=[8, 16])
     p.add_argument("--control-layouts", nargs="*", default=["8x8"])
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--cold-rounds", type=int, default=2, help="of the cold item: rounds per mode")
     p.add_argument("--restart-modes", default=",".join(RESTART_MODES), help="of the restart item: a comma-"
                    "separated subset of " + ",".join(RESTART_MODES))  # fmt: skip
     args = p.parse_args(argv)
@@ -784,13 +893,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"environment: {json.dumps(results['env'])}", flush=True)
     runners = {
         "parity": lambda: item_parity(suite),
+        "cold": lambda: item_cold(suite, args.cold_rounds),
         "warm": lambda: item_warm(suite, results),
         "arch": lambda: item_arch(suite),
         "restart": lambda: item_restart(suite, tuple(args.restart_modes.split(","))),
         "doctor": lambda: item_doctor(suite),
         "overhead": lambda: item_overhead(suite, args.overhead_ranks, args.control_layouts, args.repeats),
     }
-    if {"parity", "warm", "arch", "restart"} & set(args.items):
+    if {"parity", "cold", "warm", "arch", "restart"} & set(args.items):
         suite.run("warm-up", [PY, "-c", WARM_UP], 180)
     for item in args.items:
         if suite.left() < 30:

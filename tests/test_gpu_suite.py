@@ -109,6 +109,29 @@ def _results() -> dict:
             "transformer-engine": None,
         },
         "parity": {**pair, "preflight": ["waited 1.2 s for the preflight (at 30.0 s)"]},
+        "cold": {
+            "what": "gpt_small to iteration 1",
+            "local": {
+                "runs": (
+                    local := [
+                        {
+                            "first": "torchrun",
+                            "torchrun": 20.0,
+                            "megaray": 19.0,
+                            "exit_codes": {"torchrun": 0, "megaray": 0},
+                        },
+                        {
+                            "first": "megaray",
+                            "torchrun": 22.0,
+                            "megaray": 20.0,
+                            "exit_codes": {"torchrun": 0, "megaray": 1},
+                            "preflight": ["the ranks import (at 4.1 s)"],
+                        },
+                    ]
+                ),
+                **gpu_suite.cold_summary(local),
+            },
+        },
         "warm": {
             "what": "up --warm --recipe gpt_small",
             "exit_codes": {"up": 0, "megaray": 0},
@@ -170,6 +193,16 @@ def test_the_section_names_every_item_with_both_launchers(tmp_path):
         assert heading in section
     assert "ratio 1.0050" in section  # 482.4 / 480.0
     assert "- waited 1.2 s for the preflight (at 30.0 s)" in section
+    # the cold item: medians 21.0 and 19.5, each round's ratio 0.95 and 0.91; attached not run
+    assert (
+        "| megaray starting its own Ray | 2 (torchrun, megaray) | 21.0 s | 19.5 s | **0.93x** | 0.95, 0.91 |"
+        in section
+    )
+    assert "attached to a running Ray" not in section
+    assert "megaray's preflight, local, round 2:\n- the ranks import (at 4.1 s)" in section
+    assert "local, round 2: exit codes {'torchrun': 0, 'megaray': 1}" in section
+    assert [gpu_suite.cold_order(r)[0] for r in range(3)] == ["torchrun", "megaray", "torchrun"]
+    assert gpu_suite.cold_summary([{"torchrun": None, "megaray": 3.0}])["ratio_of_medians"] is None
     assert (
         "### 1b. On a warm recipe pool" in section
         and "| command start to iteration 1 | 33.4 s | 12.1 s | 0.36 |" in (section)
