@@ -154,7 +154,7 @@ def _run(
                 metrics.close()
                 from .pool import refill
 
-                refill()
+                refill(runner.warm_imports(spec.target))
     except BaseException as e:
         error = e
         if isinstance(e, MegarayError) and not isinstance(e, Interrupted) and verdict.in_background:

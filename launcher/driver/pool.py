@@ -5,6 +5,7 @@ plain `megaray up` has imported nothing (a Ray worker's start is about a CPU-sec
 the launch's largest cost after the imports, and those stay the program's own).
 
 Warm spares (spares.py) do this within a job, for a restart; the pool does it for the next launch.
+After a launch, a warm pool (not a recipe's) refills with what that launch's ranks imported ahead.
 A launch whose layout is the pool's claims it (the first to ask gets it), gives each process its
 rank and env as any rank gets them, and runs the program there as torchrun would (`__main__`,
 argv, cwd; the program's own modules are imported fresh, since only torch and the launcher's stack
@@ -41,6 +42,7 @@ log = logging.getLogger("megaray")
 POOL = "megaray-pool"
 SINK = f"{POOL}-sink-"  # + the node id: the output sink started ahead on the node of the driver that filled
 TAKEN = "megaray-pool-taken"  # the job that took the pool now there: a claim every driver sees at once
+LEARNED = "megaray-pool-imports"  # what the last launch's ranks imported ahead: a warm pool's refills'
 POOL_READY_S = 120.0  # a pool still importing (just refilled) is waited for this long, then skipped
 POOL_PLACED_S = 10.0  # a refilled pool's groups are waited for this long, then given back
 
@@ -115,6 +117,7 @@ def keep(layout: PoolLayout) -> None:
     if old is not None and old != layout:
         give_back(old)
     rayprivate.kv_put(POOL, json.dumps(asdict(layout)), overwrite=True, namespace=RAY_NAMESPACE)
+    rayprivate.kv_del(LEARNED, namespace=RAY_NAMESPACE)  # a new pool imports what it was asked for
     if len(_groups(layout)) < layout.nodes:
         give_back(layout)  # a part left of an earlier one
         fill(layout, wait=True)
@@ -126,6 +129,7 @@ def drop() -> PoolLayout | None:
     if layout is not None:
         give_back(layout)
         rayprivate.kv_del(POOL, namespace=RAY_NAMESPACE)
+        rayprivate.kv_del(LEARNED, namespace=RAY_NAMESPACE)
     return layout
 
 
@@ -147,7 +151,7 @@ def fill(layout: PoolLayout, wait: bool) -> None:
     rayprivate.kv_del(TAKEN, namespace=RAY_NAMESPACE)  # a new pool, not taken yet
     # what ranks get, before torch loads; nothing when nothing is imported (setup gives the whole env)
     env = {"OMP_NUM_THREADS": "1"} if layout.gpus_per_node > 1 and layout.warm else {}
-    imports = layout.imports
+    imports = _imports(layout)
     idle = layout.idle_timeout_s
     actors = [
         start_rank_actor(
@@ -162,6 +166,13 @@ def fill(layout: PoolLayout, wait: bool) -> None:
     _start_sink()
     if wait:
         ray.get([a.info.remote() for a in actors], timeout=POOL_READY_S)
+
+
+def _imports(layout: PoolLayout) -> tuple[str, ...]:
+    """What the pool's processes import: what the last launch imported ahead (`refill`), else what
+    the layout asks for."""
+    learned = rayprivate.kv_get(LEARNED, namespace=RAY_NAMESPACE) if layout.warm else None
+    return tuple(json.loads(learned)) if learned else layout.imports
 
 
 def _start_sink() -> None:
@@ -306,12 +317,20 @@ def give_back(layout: PoolLayout) -> bool:
     return bool(groups)
 
 
-def refill() -> None:
+def refill(imported: tuple[str, ...] = ()) -> None:
     """At the end of a launch on a cluster with a pool recorded and not there (taken, given back for
-    another layout, or idle): the next one, started in the background (it is detached)."""
+    another layout, or idle): the next one, started in the background (it is detached).
+
+    `imported`: what this launch's ranks imported ahead (its runner's warm imports). A warm pool asked
+    for without a recipe refills with that: the launches a pool serves are most often the same
+    program again, and the dry run's megatron-core, imported ahead for a plain torch script, would
+    cost every process seconds of CPU beside the next launch and its memory for nothing. A pool of a
+    recipe keeps importing the recipe's stack (what `--recipe` asked for)."""
     layout = recorded()
     if layout is None or len(_groups(layout)) == layout.nodes:
         return
+    if imported and layout.warm and layout.recipe is None:
+        rayprivate.kv_put(LEARNED, json.dumps(list(imported)), overwrite=True, namespace=RAY_NAMESPACE)
     if waiting := placement.groups_waiting(but=POOL):  # the room this launch freed is theirs first
         log.info(
             "a launch is waiting for room (placement group %s): the %s is not refilled now; the launch "
