@@ -9,6 +9,7 @@ The data is learnable (each sequence counts up from a random start), so the loss
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,48 @@ from .steptimes import timed
 
 MICRO_BATCH = 4
 MICROBATCHES = 2  # a step's micro-batches per rank, unless `global_batch` sets them
+# What the trainer takes from megatron-core, imported together by `import_megatron_core`.
+MEGATRON_MODULES = (
+    "megatron.core.parallel_state",
+    "megatron.core.distributed",
+    "megatron.core.models.gpt",
+    "megatron.core.models.gpt.gpt_layer_specs",
+    "megatron.core.optimizer",
+    "megatron.core.pipeline_parallel",
+    "megatron.core.tensor_parallel",
+    "megatron.core.transformer",
+    "megatron.core.datasets.indexed_dataset",
+)
+
+
+def _not_compiled(model: Any = None, **options: Any) -> Any:
+    """`torch.compile` as a decorator that leaves the function as it is (with or without options)."""
+    return model if model is not None else (lambda fn: fn)
+
+
+def import_megatron_core() -> None:
+    """megatron-core for this trainer, without what its import spends on `torch.compile`.
+
+    megatron-core's `jit_fuser` is `torch.compile`, which it applies at import to its fused kernels
+    (bias-GeLU, SwiGLU, ...): that imports torch's dynamo and inductor, about half of megatron-core's
+    import (1.5 of 3.0 CPU-s on a 2-core machine), for kernels this trainer never calls (its config
+    turns every fusion off, on CPU and GPU alike). So `torch.compile` leaves functions as they are
+    while these modules are imported, and is restored after: only in a process that imports
+    megatron-core here first, the dry run's own rank. Where megatron-core is already imported (a
+    warm spare, a warm pool, which any program may take) nothing changes."""
+    if "megatron.core" in sys.modules:
+        return
+    import importlib
+
+    import torch
+
+    compile_ = torch.compile
+    torch.compile = _not_compiled
+    try:
+        for name in MEGATRON_MODULES:
+            importlib.import_module(name)
+    finally:
+        torch.compile = compile_
 
 
 def choose_layout(world: int, local_world: int) -> tuple[int, int, int]:
@@ -72,6 +115,7 @@ def train(
     import torch
     import torch.distributed as dist
 
+    import_megatron_core()
     owned = not dist.is_initialized()  # the dry run hands over the group its check ran in
     if owned:
         dist.init_process_group("gloo", timeout=timedelta(seconds=120))
