@@ -21,6 +21,7 @@ from launcher.core.recipes import available_recipes, load_recipe
 from launcher.megatron import compat
 from launcher.megatron.bridge_target import build_config
 from launcher.megatron.facts import facts_from_config
+from launcher.megatron.preflight_process import starts_at_once
 
 from .conftest import FIXTURES, REPO
 
@@ -297,6 +298,11 @@ def test_a_layout_that_does_not_fit_exits_2_and_leaves_nothing(capsys, tmp_path)
     assert not runs.exists() or not any(runs.iterdir())
 
 
+def test_the_preflights_process_starts_at_once_only_with_a_core_to_spare_beside_the_ranks():
+    assert starts_at_once(cores=16, ranks_per_node=8) and starts_at_once(cores=3, ranks_per_node=1)
+    assert not starts_at_once(cores=2, ranks_per_node=1) and not starts_at_once(cores=8, ranks_per_node=8)
+
+
 def test_unknown_recipe_lists_the_files_and_suggests_bridge_s_own(capsys):
     assert main(["--recipe", "gpt_huge"]) == 2
     err = capsys.readouterr().err
@@ -562,6 +568,8 @@ def test_the_ranks_import_while_the_preflight_runs_and_a_warm_recipe_pool_answer
         assert "driver imported: []" in cold.stdout  # the preflight's imports are its own process's
         started = err.index("the ranks import torch, torch.distributed, launcher.megatron.compat:")
         assert started < err.index("preflight: TP 1 x PP 1 x CP 1") < err.index("Root cause")
+        if not starts_at_once(os.cpu_count() or 1, 1):  # no core to spare for the preflight's process
+            assert re.search(r"preflight in rank 0's process, bridge imported there \([\d.]+ s\)", err)
         assert "train_iters: 2" in (tmp_path / "runs" / "cold" / "config.yaml").read_text()
         up = drive.run("up", "--warm", "--recipe", "gpt_small", "--gpus-per-node", "1", env=env)
         assert up.returncode == 0 and "with Megatron-Bridge and recipe gpt_small imported" in up.stderr, (

@@ -38,6 +38,19 @@ log = logging.getLogger("megaray")
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder `launcher` is in
 STDERR_TAIL = 5  # lines of a crashed preflight's output shown
 PREFLIGHT_NICENESS = 19  # the lowest: below the ranks (0 on nodes megaray starts, Ray's default 15)
+# Where this process would take a core from the ranks, it waits this long for rank 0 to start
+# importing (then rank 0 answers); a launch still placing by then (an autoscaler adding nodes) gets
+# it, so that a layout that cannot run is still refused while the cluster grows.
+DEFER_S = 10.0
+
+
+def starts_at_once(cores: int, ranks_per_node: int) -> bool:
+    """Whether the preflight's process starts with the launch. It imports what the ranks import: on a
+    machine with no core to spare beside them (the driver's, one per rank, and its own), where a
+    one-node launch puts its ranks, it slowed their imports by as much as it saved (+2.85 s to a
+    `gpt_small` launch on 2 cores, `bench/preflight_path.py`), while rank 0, its imports done,
+    answers in about a second. With a core to spare it starts at once and races rank 0."""
+    return cores >= ranks_per_node + 2
 
 
 def bridge_installed() -> bool:
@@ -51,14 +64,17 @@ class PreflightProcess(Verdict):
 
     in_background = True
 
-    def __init__(self, proc: subprocess.Popen, folder: str, spec: LaunchSpec):
+    def __init__(self, folder: str, spec: LaunchSpec):
         super().__init__()
-        self.proc, self.folder, self.spec = proc, folder, spec
+        self.folder, self.spec = folder, spec
+        self.proc: subprocess.Popen | None = None  # started by `_start`, at once or when due
+        self._since = time.monotonic()
         self._error: MegarayError | None = None
         self._done = False
         self._rank: tuple[Any, Any] | None = None  # a rank process that may answer, once `after` is
         self._asked: Any = None  # its answer, on its way
         self._asked_at = 0.0
+        self._needed = False  # the answer is waited for and no rank is working it out: start now
 
     @classmethod
     def start(cls, spec: LaunchSpec) -> Verdict:
@@ -71,26 +87,42 @@ class PreflightProcess(Verdict):
         folder = tempfile.mkdtemp(prefix="megaray-preflight-")
         with open(os.path.join(folder, "spec.pkl"), "wb") as f:
             pickle.dump(spec, f)
+        verdict = cls(folder, spec)
+        if starts_at_once(os.cpu_count() or 1, spec.gpus_per_node):
+            verdict._start()
+        return verdict
+
+    def _start(self) -> None:
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}  # as preflight.py `no_gpu_visible` makes it
         env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH")) if p)
-        with open(os.path.join(folder, "output"), "wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", __name__, folder], stdin=subprocess.DEVNULL, stdout=out,
+        with open(os.path.join(self.folder, "output"), "wb") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", __name__, self.folder], stdin=subprocess.DEVNULL, stdout=out,
                 stderr=subprocess.STDOUT, env=env,
                 start_new_session=True,  # a Ctrl-C is the driver's to act on; it ends this one
             )  # fmt: skip
-        # Where it shares the cores with the ranks (a small machine, a one-node launch), their imports
-        # go first: rank 0 answers once it has them, and this process is for when it cannot (no room
-        # to place yet, a rank that fails to import).
+        # Where it shares the cores with the ranks anyway, their imports go first
         with contextlib.suppress(OSError):
-            os.setpriority(os.PRIO_PROCESS, proc.pid, PREFLIGHT_NICENESS)
-        return cls(proc, folder, spec)
+            os.setpriority(os.PRIO_PROCESS, self.proc.pid, PREFLIGHT_NICENESS)
+
+    def _due(self) -> bool:
+        """Whether the process not started yet must start: no rank is working the answer out, and
+        it is waited for, or rank 0 has not started importing within DEFER_S."""
+        nobody = self._rank is None and self._asked is None
+        return nobody and (self._needed or time.monotonic() - self._since >= DEFER_S)
+
+    def result(self, wait: Any = lambda: None, poll_s: float = 0.05) -> Any:
+        self._needed = True
+        return super().result(wait, poll_s)
 
     def ready(self) -> bool:
-        if not self._done and self.proc.poll() is None and self._rank is not None:
+        running = self.proc is None or self.proc.poll() is None
+        if not self._done and running and self._rank is not None:
             self._ask_rank()
+        if not self._done and self.proc is None and self._due():
+            self._start()
         if not self._done:
-            if self.proc.poll() is None:
+            if self.proc is None or self.proc.poll() is None:
                 return False
             self._done = True
             self._read()
@@ -137,7 +169,7 @@ class PreflightProcess(Verdict):
         self._take(*outcome.value)
 
     def cancel(self) -> None:
-        if self.proc.poll() is None:  # our own child, by its Popen: never a pid that could be reused
+        if self.proc is not None and self.proc.poll() is None:  # our own child, by its Popen
             self.proc.kill()
             self.proc.wait()
         shutil.rmtree(self.folder, ignore_errors=True)
