@@ -8,6 +8,7 @@ import shutil
 import signal
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import ray
@@ -324,6 +325,38 @@ def test_a_busy_master_port_exits_2(capsys):
         )
     assert f"--master-port {port} is in use on the master node" in capsys.readouterr().err
     assert leftovers("busyport") == ([], [])
+
+
+def _time_wait_on(port: int) -> bool:
+    """A TCP connection in TIME-WAIT (state 06 of /proc/net/tcp) whose local end is `port`."""
+    rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
+    return any(row[1].endswith(f":{port:04X}") and row[3] == "06" for row in rows)
+
+
+def test_a_master_port_left_in_time_wait_by_the_last_run_is_taken_as_under_torchrun(out, capsys):
+    """Rerunning a command at once: the last run's store connections linger in TIME-WAIT on the port
+    (the side that closed first keeps it a minute); torch's store binds it all the same
+    (SO_REUSEADDR), and so does megaray."""
+    import socket
+
+    listener = socket.create_server(("0.0.0.0", 0))
+    port = listener.getsockname()[1]
+    client = socket.create_connection(("127.0.0.1", port))
+    served, _ = listener.accept()
+    listener.close()
+    served.close()  # the store's side closes first: the port's end of this connection waits in TIME-WAIT
+    client.recv(1)
+    client.close()
+    deadline = time.monotonic() + 5
+    while not _time_wait_on(port):
+        assert time.monotonic() < deadline, "no TIME-WAIT socket on the port"
+        time.sleep(0.05)
+    args = ["--device", "cpu", "--gpus-per-node", "2", "--master-port", str(port)]
+    code = launch("reuseport", *args, "--entrypoint", "tests.targets:dump_env", out=out)
+    assert code == 0, capsys.readouterr().err[-3000:]
+    seen = [json.loads(f.read_text())["env"] for f in sorted(out.glob("env-rank*.json"))]
+    assert len(seen) == 2 and {e["MASTER_PORT"] for e in seen} == {str(port)}
+    assert leftovers("reuseport") == ([], [])
 
 
 def test_port_reservations_are_exclusive_across_jobs():

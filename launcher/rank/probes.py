@@ -127,10 +127,14 @@ def inherited_env() -> dict[str, str]:
 
 
 def port_is_free(port: int) -> bool:
-    """Whether a TCP listener could bind `port` on every interface now (IPv4, and IPv6 if present)."""
+    """Whether a TCP listener could bind `port` on every interface now (IPv4, and IPv6 if present),
+    as the rendezvous store binds it: with SO_REUSEADDR, as torch's TCPStore and rank/store.py's
+    `listen` set it, so that a port whose last connections linger in TIME-WAIT (a run of a minute
+    ago) is free, as under torchrun, and one a process listens on is not."""
     families = [socket.AF_INET] + ([socket.AF_INET6] if socket.has_ipv6 else [])
     for fam in families:
         with socket.socket(fam, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 if fam == socket.AF_INET6:
                     s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
