@@ -130,6 +130,8 @@ def test_up_holds_a_local_ray_that_launches_attach_to_and_down_leaves_nothing(en
     assert not (Path(state) / "up.json").exists()
     again = megaray(env, "down")
     assert again.returncode == 0 and "no `megaray up` is running" in again.stderr
+    listed = megaray(env, "list")  # nothing runs: said, not an error
+    assert listed.returncode == 0 and "nothing runs here" in listed.stdout, listed.stdout + listed.stderr
 
 
 def test_down_never_signals_a_recorded_pid_that_is_now_another_process(env):

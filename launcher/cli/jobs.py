@@ -242,9 +242,14 @@ def main(argv: list[str], exits_after: bool = False) -> int:
         from .up import show_pools
 
         # a dashboard URL names no GCS to ask for the pool; `megaray up`'s Ray has no dashboard
-        up_only = show_pools(None if address and "://" in address else address, exits_after) and not address
-        if up_only:
-            print("jobs: none on `megaray up`'s Ray (no dashboard); `megaray submit --address` runs one")
+        up_running = show_pools(None if address and "://" in address else address, exits_after)
+        if not address:  # this machine's `megaray up` alone, or nothing (after `megaray down`)
+            print(
+                "jobs: none on `megaray up`'s Ray (no dashboard); `megaray submit --address` runs one"
+                if up_running
+                else "nothing runs here: no `megaray up` on this machine; a cluster's jobs: "
+                "`megaray list --address http://HEAD:8265` (or RAY_ADDRESS)"
+            )
             return 0
         from ray.job_submission import JobType
 
