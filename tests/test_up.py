@@ -100,6 +100,10 @@ def test_up_holds_a_local_ray_that_launches_attach_to_and_down_leaves_nothing(en
         assert "attaching to the local Ray of `megaray up`" in out and "starting a local Ray" not in out
         assert len(re.findall(r"sum=(\d+) expected=\1\b", out)) == 4
         assert re.search(r"^\s+3\s+1\s", out, flags=re.M)  # rank 3 on node 1: the two nodes of `up`
+        doctor = megaray(env, "doctor")  # no address: the Ray of `megaray up`, as a launch finds it
+        assert doctor.returncode == 0, doctor.stdout[-3000:] + doctor.stderr[-3000:]
+        assert "attaching to the local Ray of `megaray up`" in doctor.stderr
+        assert "nodes (2):" in doctor.stdout and "links between nodes" in doctor.stdout, doctor.stdout
 
         # precedence: --address, then RAY_ADDRESS, before a running `megaray up`
         for extra, more_env in ((["--address", "127.0.0.1:9"], {}), ([], {"RAY_ADDRESS": "127.0.0.1:9"})):

@@ -186,8 +186,13 @@ def main(argv: list[str], exits_after: bool = False) -> int:
     address = args.address or os.environ.get("RAY_ADDRESS")
     import ray
 
-    if not address and not ray.is_initialized():
-        raise UsageError("doctor checks a running cluster: pass --address HEAD:6379 or set RAY_ADDRESS")
+    from ..driver import up
+
+    if not address and not ray.is_initialized() and up.running() is None:  # the launches' "which Ray"
+        raise UsageError(
+            "doctor checks a running cluster: pass --address HEAD:6379, set RAY_ADDRESS, or start one on "
+            "this machine with `megaray up`"
+        )
     from ..core.spec import LaunchSpec
     from ..core.target import DRY_RUN_TARGET
     from ..driver.cluster import connect
