@@ -146,3 +146,11 @@ def test_what_follows_a_module_is_the_modules_as_under_python_and_torchrun():
     for argv in (["-m"], ["-m", "--lr", "1"]):
         with pytest.raises(UsageError, match="-m needs a module name"):
             spec_from_args(argv)
+
+
+def test_the_help_lists_every_dry_run_option():
+    from launcher.core.spec import build_parser
+    from launcher.core.target import DRY_RUN_OPTIONS
+
+    text = " ".join(build_parser().format_help().split())
+    assert all(f"{key}=" in text for key in DRY_RUN_OPTIONS), text
