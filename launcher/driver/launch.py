@@ -22,6 +22,7 @@ from ..core.progress import TrainingFacts
 from ..core.runner import TargetRunner, Verdict
 from ..core.spec import LaunchSpec
 from ..core.target import Target, check_target_locally
+from . import placement
 from .attempt import Attempt, LaunchResult
 from .cluster import connect
 from .controller import Controller
@@ -145,7 +146,8 @@ def _run(
                 )  # fmt: skip
 
             controller = Controller(
-                FailurePolicy(spec.max_restarts), new_attempt, placement_timeout_s=spec.placement_timeout_s,
+                FailurePolicy(spec.max_restarts), new_attempt,
+                placement_timeout_s=placement.wait_s(spec, cluster.fixed_size),
                 min_nodes=spec.min_nodes, observers=(progress, metrics),
             )  # fmt: skip
             try:

@@ -172,6 +172,13 @@ REMOVERS = 16  # placement groups created, or removed, at once
 FIXED_SIZE_WAIT_S = 10.0  # on a cluster megaray started itself (no autoscaler, no other node to come)
 
 
+def wait_s(spec: LaunchSpec, fixed_size: bool) -> float:
+    """How long placing waits for room: --placement-timeout, at most FIXED_SIZE_WAIT_S on a cluster
+    that cannot grow (it frees room only when a job ends: waiting longer than the bundles of a
+    launch that just ended take to be freed only delays the error)."""
+    return min(spec.placement_timeout_s, FIXED_SIZE_WAIT_S) if fixed_size else spec.placement_timeout_s
+
+
 def place_groups(
     spec: LaunchSpec, name: str, stop: StopSignal, fixed_size: bool, detached: bool = False,
     exclude: tuple[str, ...] = (), settle_s: float | None = None,
@@ -193,7 +200,7 @@ def place_groups(
     spec = dataclasses.replace(spec, nodes=asked)
     problem = feasibility_problem(fit, wanted.min if wanted.elastic else asked)
     if wanted.elastic and not problem and fit < asked:
-        wait = f"waiting up to {spec.placement_timeout_s:g}s for {asked}, then starting with as many as are"
+        wait = f"waiting up to {wait_s(spec, fixed_size):g}s for {asked}, then starting with as many as are"
         how = f"{wait} placed" if settle_s is None else f"going on with those placed within {settle_s:g}s"
         log.warning("only %d node(s) of the cluster can hold a group: %s (at least %d)", fit, how, wanted.min)
     if problem and fixed_size:
@@ -211,10 +218,8 @@ def place_groups(
     elif problem:
         log.warning("%s; waiting up to %gs for more nodes", problem, spec.placement_timeout_s)
     before = describe_nodes()  # what others left free, for the message if we time out
-    # A cluster that cannot grow frees room only when a job ends: waiting for longer than the
-    # bundles of a launch that just ended take to be freed only delays the error.
-    wait_s = min(spec.placement_timeout_s, FIXED_SIZE_WAIT_S) if fixed_size else spec.placement_timeout_s
-    deadline = time.monotonic() + wait_s
+    waits = wait_s(spec, fixed_size)
+    deadline = time.monotonic() + waits
     settle = deadline if settle_s is None else min(deadline, time.monotonic() + settle_s)
     groups = create_groups(spec, name, detached, exclude)
     at_least = wanted.min if wanted.elastic else asked
@@ -222,7 +227,7 @@ def place_groups(
         placed = _place_enough(spec, name, groups, at_least, settle, deadline, stop, detached, exclude)
     except _NotPlaced as e:
         remove_groups(groups)
-        why = f"not placed within {wait_s:g}s on {at_least} distinct nodes"
+        why = f"not placed within {waits:g}s on {at_least} distinct nodes"
         raise resource_error(
             spec, e.placed, f"{problem}; {why}" if problem else why, before, can_grow=not fixed_size, fix=fix
         ) from None
