@@ -49,6 +49,16 @@ def test_a_plain_torchrun_script_runs_locally_on_simulated_nodes_or_more_ranks_t
     assert out.count("sum=6 expected=6") == 4
 
 
+def test_a_gpu_launch_on_a_machine_without_gpus_is_refused_before_a_ray_starts():
+    from launcher.driver.rayprivate import local_gpu_count
+
+    if local_gpu_count():
+        pytest.skip("this machine has GPUs")
+    p = drive.run("--nodes", "1", "--gpus-per-node", "1", "examples/torchrun_script.py")
+    assert p.returncode == 2 and "has no GPU for a local Ray: --device cpu runs the ranks" in p.stderr
+    assert "starting a local Ray" not in p.stderr and "Traceback" not in p.stderr, p.stderr
+
+
 ENV_PROBE = """
 import json, os, sys
 keys = ("ACCELERATE_USE_CPU", "MY_PASSWORD", "NCCL_DEBUG", "HF_HUB_OFFLINE", "RANK")

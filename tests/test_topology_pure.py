@@ -99,3 +99,11 @@ def test_placing_waits_at_most_10_s_on_a_cluster_that_cannot_grow():
     assert (wait_s(spec, fixed_size=True), wait_s(spec, fixed_size=False)) == (10.0, 120.0)
     short = spec_from_args(["--placement-timeout", "5", "--dry-run"])
     assert wait_s(short, fixed_size=True) == 5.0
+
+
+def test_gpu_ranks_past_this_machines_gpus_are_refused_before_a_local_ray_starts():
+    from launcher.core.topology import local_gpus_problem
+
+    assert local_gpus_problem(8, 8) is None and local_gpus_problem(1, 2) is None
+    assert local_gpus_problem(1, 0).startswith("1 GPU rank(s) asked, and this machine has no GPU for a local")
+    assert "has only 4 GPU(s)" in local_gpus_problem(8, 4) and "--device cpu" in local_gpus_problem(8, 4)

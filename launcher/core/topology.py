@@ -199,6 +199,18 @@ LOCAL_RANKS_PER_CPU = 8
 LOCAL_RANKS_MIN = 32
 
 
+def local_gpus_problem(world_size: int, gpus: int) -> str | None:
+    """Why `world_size` GPU ranks cannot run on a Ray started on this machine, which would declare
+    `gpus` GPUs, or None: said before starting one (Ray's start and a placement wait, otherwise)."""
+    if world_size <= gpus:
+        return None
+    has = "no GPU" if gpus == 0 else f"only {gpus} GPU(s)"
+    return (
+        f"{world_size} GPU rank(s) asked, and this machine has {has} for a local Ray: --device cpu runs "
+        "the ranks on CPUs (gloo), or attach to a cluster with GPUs with --address"
+    )
+
+
 def local_ranks_problem(world_size: int, cpus: int) -> str | None:
     """Why `world_size` CPU ranks are too many for this machine, or None."""
     limit = max(LOCAL_RANKS_MIN, LOCAL_RANKS_PER_CPU * cpus)

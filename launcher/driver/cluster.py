@@ -16,7 +16,7 @@ import ray
 
 from ..core.errors import ClusterError, UsageError
 from ..core.spec import RAY_NAMESPACE, LaunchSpec
-from ..core.topology import RankReport, local_ranks_problem
+from ..core.topology import RankReport, local_gpus_problem, local_ranks_problem
 from ..core.versions import python_version
 from . import rayprivate, up
 from .auth import AUTH_HINT, token_mode
@@ -101,7 +101,7 @@ def connect(spec: LaunchSpec, *, exits_after: bool = False) -> Iterator[Cluster]
             )
             _attach(stack, standing.address, streams, exits_after, announce=False)
             cluster = Cluster(address=standing.address, fixed_size=True)
-        elif not spec.uses_gpus and (problem := local_ranks_problem(spec.world_size, os.cpu_count() or 1)):
+        elif problem := _local_problem(spec):
             raise UsageError(problem)
         elif spec.dry_run or (spec.nodes > 1 and not spec.uses_gpus):
             # the exact launch a cluster will get, its nodes simulated here: NODE_RANK, GROUP_RANK and
@@ -136,6 +136,17 @@ def connect(spec: LaunchSpec, *, exits_after: bool = False) -> Iterator[Cluster]
         stack.close()
         if sim is not None:
             sim.shutdown()
+
+
+def _local_problem(spec: LaunchSpec) -> str | None:
+    """Why the launch's ranks cannot run on a Ray started on this machine, said before starting one:
+    CPU ranks past what its cores take, or more GPU ranks than it has GPUs (a dry run declares its
+    GPUs on simulated nodes)."""
+    if not spec.uses_gpus:
+        return local_ranks_problem(spec.world_size, os.cpu_count() or 1)
+    if spec.dry_run:
+        return None
+    return local_gpus_problem(spec.world_size, rayprivate.local_gpu_count())
 
 
 def connect_timeout_s() -> float:

@@ -7,6 +7,17 @@ from __future__ import annotations
 from typing import Any
 
 
+# -- what a Ray started here would declare ------------------------------------------------------------
+def local_gpu_count() -> int:
+    """The GPUs a Ray started on this machine would declare, by Ray's own detection (its GPU
+    accelerator manager: CUDA_VISIBLE_DEVICES, the driver's NVML): asked before starting one, so that
+    a GPU launch on a machine without them is refused in a second, not after Ray's start and a
+    placement wait. Ray has no public call for it."""
+    from ray._private.accelerators import get_accelerator_manager_for_resource
+
+    return int(get_accelerator_manager_for_resource("GPU").get_current_node_num_accelerators() or 0)
+
+
 # -- the GCS key-value store --------------------------------------------------------------------------
 # Shared state every driver of a cluster sees at once, with an atomic put-if-absent (a port
 # reserved, the pool's layout, who took the pool). Ray has no public key-value store; its own
