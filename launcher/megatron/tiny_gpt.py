@@ -115,7 +115,12 @@ def train(
     import torch
     import torch.distributed as dist
 
-    import_megatron_core()
+    from .preflight import quiet_megatron
+
+    # megatron-core's warnings about this machine (no TransformerEngine, Apex or CUDA runtime, a
+    # deprecated GPTModel): ~20 lines from every rank that say nothing about the launch it checks
+    with quiet_megatron():
+        import_megatron_core()
     owned = not dist.is_initialized()  # the dry run hands over the group its check ran in
     if owned:
         dist.init_process_group("gloo", timeout=timedelta(seconds=120))
@@ -131,7 +136,8 @@ def train(
         if global_batch is not None:
             microbatches = global_batch // (micro_batch * (world // (tp * pp)))
         shape = (seq, vocab, hidden, heads, layers, micro_batch, microbatches)
-        return _train(steps, shape, (tp, pp), lr, ckpt, corpus)
+        with quiet_megatron():
+            return _train(steps, shape, (tp, pp), lr, ckpt, corpus)
     finally:
         from megatron.core import parallel_state
 
