@@ -395,7 +395,8 @@ def test_recipes_lists_every_bridge_recipe_and_shows_one_resolved(capsys):
     rows = capsys.readouterr().out.splitlines()
     assert len(rows) > 5 and all(" qwen " in r and " sft " in r for r in rows[1:-2])  # no recipe files
     assert main(["recipes", LLAMA3_8B, "--gpus-per-node", "8"]) == 0
-    shown = capsys.readouterr().out
+    shown, said = capsys.readouterr()
+    assert f"building recipe {LLAMA3_8B} with Megatron-Bridge" in said  # first: bridge takes seconds
     assert "layout             TP1 PP1 CP2 EP1" in shown and "meta-llama/Meta-Llama-3-8B" in shown
     assert "memory (1x8 GPUs)" in shown
 

@@ -35,6 +35,8 @@ def main(argv: list[str]) -> int:
     if args.name:
         from ..megatron.preflight import quiet_megatron
 
+        # importing bridge takes 10-20 s: said first, so that a silent terminal is not taken for a hang
+        log.info("building recipe %s with Megatron-Bridge (importing it takes seconds)...", args.name)
         with quiet_megatron():
             return show(args)
     rows = [["name", "family", "kind", "gpus", "layout", "hf model"]]

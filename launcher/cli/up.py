@@ -103,6 +103,7 @@ def _up(args: argparse.Namespace, exits_after: bool) -> int:
                 "there, add --warm (or launch with --address directly)"
             )
         with _connected(args.address, exits_after):
+            log.info("placing a %s of %s there, %s (seconds)", layout.kind, layout.describe(), layout.holds)
             keep(layout)
         log.info(
             "a warm pool of %s is ready at %s for launches with --address %s (`megaray down --address` "
@@ -122,6 +123,11 @@ def _up(args: argparse.Namespace, exits_after: bool) -> int:
     if standing is not None:
         log.info("`megaray up` is already running at %s; `megaray down` stops it", standing.describe())
         return 0
+    # about 10-20 s on a small machine: said first, so that a silent terminal is not taken for a hang
+    log.info(
+        "starting a local Ray of %s, then its %s (one process per rank, %s)...",
+        layout.describe(), layout.kind, layout.holds,
+    )  # fmt: skip
     try:
         standing = up.start(args.nodes, args.gpus_per_node, device, args.cpus_per_rank, lambda: keep(layout))
     except Interrupted as e:
