@@ -155,7 +155,16 @@ def start(
     try:
         _wait(lambda: _reachable(address), procs[0], logs)
         with token_mode(address, announce=False):
-            ray.init(address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING)
+            try:
+                ray.init(
+                    address=address, namespace=NAMESPACE, log_to_driver=False, logging_level=logging.WARNING
+                )
+            except (ConnectionError, RuntimeError) as e:  # its GCS, up, did not answer in Ray's time
+                raise ClusterError(
+                    f"the local Ray's head started at {address} but did not let this process in "
+                    f"({str(e).splitlines()[0]}); the nodes started are stopped: run `megaray up` again "
+                    "(on a machine this busy, Ray's own calls time out)"
+                ) from None
             _raise_on_signals()  # ray.init put its own SIGTERM handler, which aborts the process
             try:
                 for _ in range(nodes - 1):  # one at a time: raylets registering together time out on 2 cores
