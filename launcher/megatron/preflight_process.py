@@ -39,8 +39,9 @@ _PACKAGE_ROOT = str(Path(__file__).resolve().parents[2])  # the folder `launcher
 STDERR_TAIL = 5  # lines of a crashed preflight's output shown
 PREFLIGHT_NICENESS = 19  # the lowest: below the ranks (0 on nodes megaray starts, Ray's default 15)
 # Where this process would take a core from the ranks, it waits this long for rank 0 to start
-# importing (then rank 0 answers); a launch still placing by then (an autoscaler adding nodes) gets
-# it, so that a layout that cannot run is still refused while the cluster grows.
+# importing (then rank 0 answers), counted from the first look once connected (a local Ray's start
+# took over 10 s beside the suite's other worker); a launch still placing by then (an autoscaler
+# adding nodes) gets it, so that a layout that cannot run is still refused while the cluster grows.
 DEFER_S = 10.0
 
 
@@ -68,7 +69,7 @@ class PreflightProcess(Verdict):
         super().__init__()
         self.folder, self.spec = folder, spec
         self.proc: subprocess.Popen | None = None  # started by `_start`, at once or when due
-        self._since = time.monotonic()
+        self._since: float | None = None  # the first look (`ready`), once the driver is connected
         self._error: MegarayError | None = None
         self._done = False
         self._rank: tuple[Any, Any] | None = None  # a rank process that may answer, once `after` is
@@ -109,6 +110,8 @@ class PreflightProcess(Verdict):
         """Whether the process not started yet must start: no rank is working the answer out, and
         it is waited for, or rank 0 has not started importing within DEFER_S."""
         nobody = self._rank is None and self._asked is None
+        if self._since is None:
+            self._since = time.monotonic()
         return nobody and (self._needed or time.monotonic() - self._since >= DEFER_S)
 
     def result(self, wait: Any = lambda: None, poll_s: float = 0.05) -> Any:
