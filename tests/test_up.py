@@ -78,7 +78,8 @@ def test_up_holds_a_local_ray_that_launches_attach_to_and_down_leaves_nothing(en
         assert len(token.read_text()) == 64 and token.stat().st_mode & 0o777 == 0o600
         assert "sending the token" not in up.stderr  # its own token is not news
         assert re.search(r"started a local Ray at 127\.0\.0\.1:\d+ \(2 node\(s\) x 2 CPU ranks\)", up.stderr)
-        assert up.stderr.startswith("megaray: starting a local Ray of 2 node(s) x 2 CPU ranks, then its pool")
+        said = up.stderr.index("megaray: starting a local Ray of 2 node(s) x 2 CPU ranks, then its pool")
+        assert said < up.stderr.index("started a local Ray at")  # before the seconds the nodes take
         again = megaray(env, "up")
         assert again.returncode == 0 and "already running at 127.0.0.1:" in again.stderr
 

@@ -124,12 +124,14 @@ def _up(args: argparse.Namespace, exits_after: bool) -> int:
         log.info("`megaray up` is already running at %s; `megaray down` stops it", standing.describe())
         return 0
     # about 10-20 s on a small machine: said first, so that a silent terminal is not taken for a hang
-    log.info(
-        "starting a local Ray of %s, then its %s (one process per rank, %s)...",
-        layout.describe(), layout.kind, layout.holds,
-    )  # fmt: skip
+    starting = (
+        f"starting a local Ray of {layout.describe()}, then its {layout.kind} (one process per rank, "
+        f"{layout.holds})..."
+    )
     try:
-        standing = up.start(args.nodes, args.gpus_per_node, device, args.cpus_per_rank, lambda: keep(layout))
+        standing = up.start(
+            args.nodes, args.gpus_per_node, device, args.cpus_per_rank, lambda: keep(layout), starting
+        )
     except Interrupted as e:
         log.error("interrupted by %s: stopped the nodes started so far; nothing is left running", e.name)
         return e.exit_code

@@ -116,10 +116,11 @@ def _start_node(args: list[str], log_path: Path, env: dict[str, str]) -> subproc
 
 def start(
     nodes: int, gpus_per_node: int, device: str, cpus_per_rank: float = 1.0,
-    when_ready: Callable[[], None] | None = None,
+    when_ready: Callable[[], None] | None = None, starting: str = "",
 ) -> Standing:  # fmt: skip
     """Start the cluster and wait until every node has registered; then, still connected, call
-    `when_ready` (which starts a warm pool, driver/pool.py)."""
+    `when_ready` (which starts a warm pool, driver/pool.py). `starting`: a line said once the input
+    is known good (the token), before the seconds the nodes take."""
     import ray
 
     from ..core.spec import RAY_NAMESPACE as NAMESPACE
@@ -137,6 +138,8 @@ def start(
     env.setdefault("RAY_AUTH_MODE", "token")
     if not auth_disabled(env):
         ensure_token(env, Path.home())
+    if starting:
+        log.info("%s", starting)
     per_node = ["--num-cpus", str(cpus), "--num-gpus", str(gpus)]
     logs = root / "up.log"
     procs = [
