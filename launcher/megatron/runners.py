@@ -16,19 +16,6 @@ from ..core.target import Target, TargetKind, dry_run_trains, parse_dry_run_opti
 
 log = logging.getLogger("megaray")
 
-DRY_RUN_IMPORTS = (
-    "megatron.core.parallel_state",
-    "megatron.core.distributed",
-    "megatron.core.models.gpt",
-    "megatron.core.models.gpt.gpt_layer_specs",
-    "megatron.core.optimizer",
-    "megatron.core.pipeline_parallel",
-    "megatron.core.tensor_parallel",
-    "megatron.core.transformer",
-    "launcher.megatron.tiny_gpt",
-    "launcher.megatron.cpu_megatron",
-)
-
 
 class DryRunRunner(TargetRunner):
     """The rendezvous check, then a tiny megatron-core GPT where megatron-core is installed."""
@@ -70,7 +57,10 @@ class DryRunRunner(TargetRunner):
     def warm_imports(self, target: Target) -> tuple[str, ...]:
         if not dry_run_trains(target.args):
             return BASE_IMPORTS  # the check alone: Megatron is never imported
-        return (*BASE_IMPORTS, *DRY_RUN_IMPORTS)
+        from .tiny_gpt import MEGATRON_MODULES
+
+        trainer = ("launcher.megatron.tiny_gpt", "launcher.megatron.cpu_megatron")
+        return (*BASE_IMPORTS, *MEGATRON_MODULES, *trainer)
 
 
 class MegatronRunner(TargetRunner):

@@ -19,7 +19,8 @@ from .steptimes import timed
 
 MICRO_BATCH = 4
 MICROBATCHES = 2  # a step's micro-batches per rank, unless `global_batch` sets them
-# What the trainer takes from megatron-core, imported together by `import_megatron_core`.
+# What the trainer takes from megatron-core: imported together by `import_megatron_core`, and ahead by
+# a dry run's warm spares (runners.py `DryRunRunner.warm_imports`).
 MEGATRON_MODULES = (
     "megatron.core.parallel_state",
     "megatron.core.distributed",
@@ -29,7 +30,6 @@ MEGATRON_MODULES = (
     "megatron.core.pipeline_parallel",
     "megatron.core.tensor_parallel",
     "megatron.core.transformer",
-    "megatron.core.datasets.indexed_dataset",
 )
 
 
