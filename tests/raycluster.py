@@ -127,8 +127,9 @@ result = [actors, groups]
             self.stop_node(proc)
 
 
-def start_cluster(num_cpus: int, num_gpus: int = 0) -> RayStartCluster:
-    """A head on loopback ports of its own, with the dashboard; add workers with `add_worker`."""
+def start_cluster(num_cpus: int, num_gpus: int = 0, **config: str) -> RayStartCluster:
+    """A head on loopback ports of its own, with the dashboard; add workers with `add_worker`.
+    `config`: more variables every node starts with (Ray's `RAY_<setting>`)."""
     tmp = Path(tempfile.mkdtemp(prefix="mr-", dir="/tmp"))  # short: Ray's socket paths must fit
     token = tmp / "token"
     token.write_text(uuid.uuid4().hex + uuid.uuid4().hex)
@@ -143,6 +144,7 @@ def start_cluster(num_cpus: int, num_gpus: int = 0) -> RayStartCluster:
         # Ray Serve's proxies), a node running ranks all of it, and megaray's report of the node lost
         # waited for that
         DRAIN_VAR: "0",
+        **config,
     }
     env.pop("RAY_ADDRESS", None)
     port, dash = free_port(), free_port()
