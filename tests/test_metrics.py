@@ -146,7 +146,8 @@ def test_a_real_prometheus_holds_every_ranks_metrics_and_the_job_state_and_every
         while time.monotonic() - seen < 5 * EXPORT_S or ages.get("2", 0) < 12:
             assert time.monotonic() - seen < 60, ages
             time.sleep(1)
-            assert prom.query(running), f"the job's state went {time.monotonic() - seen:.0f} s after it was seen"
+            went = f"the job's state went {time.monotonic() - seen:.0f} s after it was seen"
+            assert prom.query(running), went
             ages = {r["metric"]["rank"]: float(r["value"][1]) for r in prom.query(since)}
         assert sorted(ages) == ["0", "1", "2", "3"] and ages["2"] > 12 > 3 * EXPORT_S > max(
             ages["0"], ages["1"], ages["3"]
