@@ -242,6 +242,64 @@ def test_a_node_s_forwarder_tells_a_rank_process_ending_with_its_status():
         ray.kill(forwarder)
 
 
+REPORTS_AND_EXIT_ZERO = """
+import decimal, os, sys
+from launcher import report
+report(1, loss="abc", total="100", tokens="x")  # loss and tokens left out, said once each
+report(2, loss="abc")
+report(float("nan"))  # no iteration: the report is left out
+report("step-3")
+report(3, loss=decimal.Decimal("2.5"), total=3)
+print("reported", flush=True)
+if os.environ["RANK"] == "1":
+    os._exit(0)  # mid-program: a success under torchrun (its exit status decides)
+open(os.path.join(sys.argv[1], "done-" + os.environ["RANK"]), "w").close()
+"""
+
+
+def test_report_never_fails_the_program_and_os_exit_zero_is_a_success(tmp_path, capsys):
+    """#46: report() with values that are not numbers, and a rank that ends with os._exit(0); under
+    torchrun report() is a no-op and a worker's exit status 0 is a success."""
+    (tmp_path / "prog.py").write_text(REPORTS_AND_EXIT_ZERO)
+    runs = tmp_path / "runs"
+    code = launch("exitzero", "--device", "cpu", "--gpus-per-node", "2", "--log-ranks", "all", "--runs-dir",
+                  str(runs), str(tmp_path / "prog.py"), str(tmp_path))  # fmt: skip
+    err = capsys.readouterr().err
+    assert code == 0, err[-3000:]
+    assert (tmp_path / "done-0").exists() and not (tmp_path / "done-1").exists()
+    for rank in (0, 1):
+        said = (runs / "exitzero" / f"rank-{rank}.log").read_text()
+        assert said.count("report(): loss='abc' is not a number: left out of the progress") == 1, said
+        assert said.count("report(): tokens='x' is not a number") == 1 and "reported" in said, said
+        assert "report(): iteration=nan is not a whole number of 0 or more: the report is left out" in said
+    assert "progress: iteration 3/3 | loss 2.5" in err, err[-3000:]
+    summary = json.loads((runs / "exitzero" / "summary.json").read_text())
+    assert (summary["status"], summary["exit_code"]) == ("succeeded", 0)
+    assert leftovers("exitzero") == ([], [])
+
+
+def test_os_exit_zero_marks_the_rank_process_only_not_a_forked_child(tmp_path):
+    import subprocess
+    import sys
+
+    prog = (
+        "import os, sys\n"
+        "from launcher.rank.spool import mark_os_exit_zero\n"
+        "mark_os_exit_zero(sys.argv[1])\n"
+        "pid = os.fork()\n"
+        "if pid == 0:\n"
+        "    os._exit(0)\n"
+        "os.waitpid(pid, 0)\n"
+        "print(os.path.exists(sys.argv[1]), flush=True)\n"
+        "os._exit(int(sys.argv[2]))\n"
+    )
+    for status, marked in ((3, False), (0, True)):
+        mark = tmp_path / f"mark-{status}"
+        cmd = [sys.executable, "-c", prog, str(mark), str(status)]
+        p = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=60)
+        assert (p.returncode, p.stdout.strip(), mark.exists()) == (status, "False", marked), p.stderr
+
+
 DEATH_PROBE = """
 import ctypes, os, sys, time
 if os.environ["RANK"] == "1":

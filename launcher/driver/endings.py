@@ -20,7 +20,7 @@ import ray
 from ..core.deaths import ProcessEnd, death_cause, describe_death, ray_teardown_crash, readable_tail
 from ..core.errors import FailureKind, RankFailedError, RankFailure
 from ..core.topology import RankReport, RankSlot, format_rank_ranges
-from ..rank.spool import exit_and_ship, exit_mark, ship, spool_name
+from ..rank.spool import exit_and_ship, exit_mark, exited_cleanly, ship, spool_name
 from .actors import first_line, on_node, wait_all
 from .handle import RankHandle, failure_site
 from .liveness import NodeProbes
@@ -237,6 +237,9 @@ class RankWatch:
         try:
             out = ray.get(ref)
         except ray.exceptions.RayActorError as e:
+            if self._exited_cleanly(h):  # the program's os._exit(0): the rank's success, as under torchrun
+                self.lingering[rank] = []
+                return True, None
             summary = self._died(h, str(e))
             if not self.lost[h.report.node_id]:
                 self.salvaging[rank] = self._salvage(h)
@@ -260,6 +263,20 @@ class RankWatch:
         if node_id not in lost:
             lost[node_id] = node_lost(node_id)
         return lost[node_id]
+
+    def _exited_cleanly(self, h: RankHandle) -> bool:
+        """Whether a rank whose process died left its exit mark on the way (rank/spool.py
+        `mark_os_exit_zero`): read by a task on its node; False where that cannot be told."""
+        if not h.spool or self._node_gone(h):
+            return False
+        mark = exit_mark(h.spool)
+        if h.report.node_id == ray.get_runtime_context().get_node_id():
+            return exited_cleanly(mark)
+        try:
+            task = ray.remote(exited_cleanly).options(**on_node(h.report.node_id))
+            return bool(ray.get(task.remote(mark), timeout=10))
+        except (ray.exceptions.RayError, TimeoutError):
+            return False
 
     def _died(self, h: RankHandle, ray_message: str) -> str:
         """What became of a rank whose process is gone: its node lost, or the process itself."""

@@ -41,7 +41,7 @@ from .probes import (
     interface_of,
     port_is_free,
 )
-from .spool import exit_mark, log_dir, mark_exit, oom_kills
+from .spool import exit_mark, log_dir, mark_exit, mark_os_exit_zero, oom_kills
 
 _THIS_FILE = str(Path(__file__).resolve())
 # the frames before the target's (runpy is frozen in Python 3.12)
@@ -206,6 +206,7 @@ class RankActor:
             Path(self.error_file).unlink(missing_ok=True)
             if not self.exit_marked:  # registered before the program's handlers: it runs after them
                 atexit.register(mark_exit, exit_mark(spool))
+                mark_os_exit_zero(exit_mark(spool))  # the program's os._exit(0): a success too
                 self.exit_marked = True
         self.atexit_before = atexit._ncallbacks()
         if sink is not None and spool is not None and self.capture is None:

@@ -21,7 +21,10 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
+from ..core.reports import clean_report
+
 _current: Capture | None = None
+_said: set[str] = set()  # the fields report() said it left out, each said once per process
 PUMP_IDLE_S = 0.02  # how often an idle rank's spool is looked at
 PUMP_GATHER_S = 0.03  # how long a burst of lines is gathered into one message
 
@@ -161,9 +164,23 @@ def report(
     sink = current_sink()
     if sink is None or _current.stopped:
         return  # not a megaray rank (torchrun, or a plain process), or one exiting
-    record = {"iteration": int(iteration), "time": time.time()}
-    values = (("total", total), ("loss", loss), ("tokens", tokens), ("lr", lr), ("flops", flops))
-    for key, value in values:
-        if value is not None:
-            record[key] = value
-    sink.report.remote(int(os.environ.get("RANK", "0")), record)
+    # never fails the program, which under torchrun calls a no-op: values that are not numbers are
+    # left out (core/reports.py), said once per field on the rank's stderr
+    try:
+        clean = clean_report(
+            iteration, time.time(), total=total, loss=loss, tokens=tokens, lr=lr, flops=flops
+        )
+        for dropped in clean.dropped:
+            if dropped.field not in _said:
+                _said.add(dropped.field)
+                print(
+                    f"megaray: {dropped.describe()} (said once for {dropped.field})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        if clean.record is not None:
+            sink.report.remote(int(os.environ.get("RANK", "0")), clean.record)
+    except Exception as e:  # the sink gone with the driver, or a value whose conversion raised oddly
+        if "report" not in _said:
+            _said.add("report")
+            print(f"megaray: report() was not sent: {type(e).__name__}: {e}", file=sys.stderr, flush=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import tempfile
-from typing import Any
+from typing import Any, NoReturn
 
 MAX_SALVAGE_BYTES = 4 << 20  # what a dead rank's spool can add at most: its end, not a lost gigabyte
 
@@ -44,6 +44,27 @@ def exit_mark(spool: str) -> str:
 def mark_exit(path: str) -> None:
     with contextlib.suppress(OSError):
         os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o600))
+
+
+def mark_os_exit_zero(path: str) -> None:
+    """From now on, this process's `os._exit(0)` writes the exit mark `path` first: the program
+    ended the process at once, exit handlers skipped, with status 0, which torchrun counts as the
+    worker's success, while Ray says only that the worker died. A forked child's `os._exit(0)`
+    (multiprocessing ends its children so) is not the rank's: its pid differs, no mark."""
+    real, pid = os._exit, os.getpid()
+
+    def _exit(status: int) -> NoReturn:
+        if status == 0 and os.getpid() == pid:
+            mark_exit(path)
+        real(status)
+
+    _exit.__doc__, _exit.__wrapped__ = real.__doc__, real  # type: ignore[attr-defined]
+    os._exit = _exit
+
+
+def exited_cleanly(path: str) -> bool:
+    """Whether the exit mark `path` was written (read on the rank's node)."""
+    return os.path.exists(path)
 
 
 def oom_kills() -> int | None:
