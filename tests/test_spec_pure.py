@@ -48,6 +48,9 @@ def test_spec_from_args_reads_the_torchrun_shape(tmp_path):
         (["up", "--nodes", "0"], "--nodes must be at least 1, got 0"),
         (["up", "--gpus-per-node", "100000"], "100000 CPU ranks would be 100000 processes on this machine"),
         (["--device", "cpu", "--gpus-per-node", "100000", "--dry-run"], "which holds at most"),
+        (["--dry-run", "--nodes", "1:99999999999999999999"], "99999999999999999999 CPU ranks would be"),
+        (["--job-name", "nl\n", "--dry-run"], "--job-name 'nl\\n' must be"),
+        (["--entrypoint", "m:f\n"], "is not of the form pkg.module:function"),
         (
             ["--gpus-per-node", "4", "--log-ranks", "1-0", "--dry-run"],
             "the range 1-0 runs backwards (write 0-1)",

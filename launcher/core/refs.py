@@ -7,7 +7,7 @@ import importlib
 import re
 from typing import Any
 
-FUNCTION_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+FUNCTION_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*\Z")
 
 
 def split_ref(ref: str) -> tuple[str, str]:

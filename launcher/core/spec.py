@@ -37,7 +37,7 @@ DEFAULT_EXIT_GRACE_S = 60.0
 DEFAULT_KILL_GRACE_S = 5.0
 RAY_NAMESPACE = "megaray"  # megaray's named actors and placement groups live here
 DEFAULT_GPU_MEMORY_GB = 80.0  # H100 / A100 80GB, what bridge's recipes are written for
-_JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$")
+_JOB_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}\Z")
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from .errors import UsageError
 from .recipes import Recipe
 from .refs import FUNCTION_REF, split_ref
 
-_MODULE = re.compile(r"^[A-Za-z_][\w.]*$")
+_MODULE = re.compile(r"^[A-Za-z_][\w.]*\Z")
 
 
 class TargetKind(StrEnum):

@@ -140,12 +140,11 @@ def connect(spec: LaunchSpec, *, exits_after: bool = False) -> Iterator[Cluster]
 
 def _local_problem(spec: LaunchSpec) -> str | None:
     """Why the launch's ranks cannot run on a Ray started on this machine, said before starting one:
-    CPU ranks past what its cores take, or more GPU ranks than it has GPUs (a dry run declares its
-    GPUs on simulated nodes)."""
-    if not spec.uses_gpus:
+    CPU ranks past what its cores take, or more GPU ranks than it has GPUs. A dry run's ranks are CPU
+    processes here whatever GPUs its simulated nodes declare (`--nodes 1:<huge>` started raylets one
+    by one)."""
+    if not spec.uses_gpus or spec.dry_run:
         return local_ranks_problem(spec.world_size, os.cpu_count() or 1)
-    if spec.dry_run:
-        return None
     return local_gpus_problem(spec.world_size, rayprivate.local_gpu_count())
 
 
