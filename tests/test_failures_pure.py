@@ -269,3 +269,11 @@ def test_a_spare_starts_beside_its_dying_rank_only_when_the_gpu_has_room_for_wha
     assert "GiB free of the" in room_problem(40 * gib, 40 * gib, 0)  # a big model: wait for the memory
     assert "one process at a time" in room_problem(gib, 70 * gib, 3)  # EXCLUSIVE_PROCESS
     assert "not seen" in room_problem(None, 70 * gib, 0)
+
+
+def test_a_dying_rank_s_megabyte_line_is_shortened_in_the_report():
+    line = "x" * 5_000_000 + "the end"
+    (shown,) = readable_tail(["step 3", line])[-1:]
+    assert len(shown) < 1_400 and shown.startswith("x" * 1000) and shown.endswith("the end")
+    assert "[... 4998807 characters left out: the rank's log has the line ...]" in shown
+    assert readable_tail(["short", "y" * 1300]) == ("short", "y" * 1300)  # under the bound: whole

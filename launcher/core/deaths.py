@@ -162,10 +162,23 @@ _NOISE = re.compile(
 )
 
 
+LINE_HEAD, LINE_END = 1000, 200  # of a long line in the report: its start and its end
+
+
+def _shortened(line: str) -> str:
+    """A line of the report at most about 1,300 characters: a dying rank's megabytes without a
+    newline went whole into the console and summary.json (the rank's log keeps the line)."""
+    if len(line) <= LINE_HEAD + LINE_END + 100:
+        return line
+    left = len(line) - LINE_HEAD - LINE_END
+    cut = f" [... {left} characters left out: the rank's log has the line ...] "
+    return line[:LINE_HEAD] + cut + line[-LINE_END:]
+
+
 def readable_tail(lines: list[str] | tuple[str, ...], keep: int = 20) -> tuple[str, ...]:
-    """A dead rank's last lines for the failure report, crash-dump noise left out (the rank's log
-    keeps every line)."""
+    """A dead rank's last lines for the failure report, crash-dump noise left out and long lines
+    shortened (the rank's log keeps every line whole)."""
     kept = [ln for ln in lines if not _NOISE.search(ln)]
     while kept and not kept[-1].strip():
         kept.pop()
-    return tuple(kept[-keep:])
+    return tuple(_shortened(ln) for ln in kept[-keep:])
