@@ -215,6 +215,38 @@ def test_a_killed_rank_takes_the_job_down_fast(out, capsys):
     assert leftovers("sigkill") == ([], [])
 
 
+def test_a_dead_forwarder_ends_the_job_in_seconds_saying_so_not_as_a_hang(out, capsys):
+    """#46: the node's output forwarder SIGKILLed while the ranks run (they print and would wait on it):
+    the attempt ends within seconds, naming the forwarder, instead of at --hang-timeout as silent."""
+    from ray.util.state import list_actors
+
+    from .conftest import connected
+
+    killed_at = {}
+
+    def kill_the_forwarder():
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            mine = [("class_name", "=", "NodeForwarder"), ("state", "=", "ALIVE")]
+            alive = list_actors(address=connected(), filters=mine, detail=True)
+            if alive and (out / "pid-rank1.json").exists() and (out / "pid-rank0.json").exists():
+                killed_at["t"] = time.monotonic()
+                os.kill(alive[0].pid, signal.SIGKILL)
+                return
+            time.sleep(0.1)
+
+    killer = threading.Thread(target=kill_the_forwarder, daemon=True)
+    killer.start()
+    code = launch("noforwarder", "--device", "cpu", "--gpus-per-node", "2", "--hang-timeout", "120",
+                  "--entrypoint", "tests.targets:wait_forever", out=out)  # fmt: skip
+    returned_after = time.monotonic() - killed_at["t"]
+    err = capsys.readouterr().err
+    assert code == 1 and returned_after < 20, (returned_after, err[-3000:])
+    assert "its node's output forwarder (megaray's helper process there) died while the rank ran" in err
+    assert "no output or progress" not in err
+    assert leftovers("noforwarder") == ([], [])
+
+
 def test_a_node_s_forwarder_tells_a_rank_process_ending_with_its_status():
     """What the driver learns before Ray does (a process with GPU memory takes seconds to exit): the
     node's forwarder, a real actor, watching real processes. The killed one stays a zombie here (this

@@ -24,6 +24,7 @@ from ..rank.spool import exit_and_ship, exit_mark, exited_cleanly, ship, spool_n
 from .actors import first_line, on_node, wait_all
 from .handle import RankHandle, failure_site
 from .liveness import NodeProbes
+from .process_ends import EndsWatch, ranks_by_node
 from .stop import StopSignal
 
 log = logging.getLogger("megaray")
@@ -39,13 +40,6 @@ def spool_path(report: RankReport, job: str, rank: int) -> str | None:
 
 def _spools(handles: list[RankHandle] | tuple[RankHandle, ...]) -> list[tuple[int, str]]:
     return [(h.slot.rank, h.spool) for h in handles if h.spool]
-
-
-def _by_node(handles: tuple[RankHandle, ...]) -> dict[str, list[RankHandle]]:
-    by_node: dict[str, list[RankHandle]] = {}
-    for h in handles:
-        by_node.setdefault(h.report.node_id, []).append(h)
-    return by_node
 
 
 def _tail(sink: Any, rank: int) -> list[str]:
@@ -140,41 +134,6 @@ def _status(exit_code: int | None) -> int | None:
     return -exit_code if exit_code < 0 else exit_code << 8
 
 
-class EndsWatch:
-    """Each node's forwarder watching the node's rank processes for one to start exiting
-    (rank/forwarder.py `watch_ends`): a process that held GPU memory takes seconds to exit, and Ray
-    reports it dead after that."""
-
-    def __init__(self, handles: tuple[RankHandle, ...], forwarders: dict[str, Any]):
-        self.handles, self.forwarders = handles, forwarders  # node id -> its output forwarder
-        self.watches: dict[Any, str] = {}  # each node's call -> its node id
-        for node, hs in _by_node(handles).items():
-            self._watch(node, [h.report.pid for h in hs])
-
-    def _watch(self, node: str, pids: list[int]) -> None:
-        if pids and node in self.forwarders:
-            self.watches[self.forwarders[node].watch_ends.remote(pids)] = node
-
-    def ended(self) -> list[tuple[RankHandle, ProcessEnd]]:
-        """The ranks found ending since the last call, never waiting; one that exited with code 0
-        (os._exit(0)) is left to Ray's report of it, and its node's other ranks are watched on."""
-        if not self.watches:
-            return []
-        done, _ = ray.wait(list(self.watches), num_returns=len(self.watches), timeout=0)
-        by_pid, out = {h.report.pid: h for h in self.handles}, []
-        for ref in done:
-            node = self.watches.pop(ref)
-            try:
-                ends: list[ProcessEnd] = ray.get(ref)
-            except ray.exceptions.RayError:  # the node's forwarder is gone (its node lost, the launch ending)
-                continue
-            out += [(by_pid[e.pid], e) for e in ends if not e.clean]
-            gone = {e.pid for e in ends}
-            self._watch(node, [h.report.pid for h in self.handles if h.report.node_id == node
-                               and h.report.pid not in gone])  # fmt: skip
-        return out
-
-
 class RankWatch:
     """How the running ranks of a gang end, and what the driver learns of them as they do: which
     nodes are lost, whose last output is being shipped, what a returned rank's process still runs.
@@ -213,7 +172,8 @@ class RankWatch:
 
     def _check_ends(self) -> None:
         """Raise the failure of each rank found ending (EndsWatch)."""
-        ended, at, failures = self.ends.ended(), time.time(), []
+        ended, at = self.ends.ended(), time.time()
+        failures = self.ends.forwarders_died(at, self._node_gone)
         for h, e in ended:
             if self._node_gone(h):  # its raylet died, and its workers exit with it (code 1)
                 summary, code = self._lost_summary(h.report.node_id, "its raylet no longer answers"), None
@@ -306,7 +266,7 @@ class RankWatch:
 
         handles = self.handles
         log.error("no output or progress from any rank for %.0fs: reading every rank's stack", idle_s)
-        by_node = _by_node(handles)
+        by_node = ranks_by_node(handles)
         task = ray.remote(inspect_processes)
         refs = {
             node: task.options(**on_node(node)).remote([h.report.pid for h in hs])
@@ -339,7 +299,7 @@ class RankWatch:
         The ranks on the driver's own node are watched from the driver, in a thread: a task there would
         first wait for Ray to start a worker process, about a second on a small machine."""
         handles, sink, lingering = self.handles, self.sink, self.lingering
-        by_node = _by_node(handles)
+        by_node = ranks_by_node(handles)
         here = ray.get_runtime_context().get_node_id()
         task = ray.remote(exit_and_ship)
         watches: dict[str, Any] = {}  # node -> the task's ref, or the driver thread's future
@@ -397,7 +357,7 @@ class RankWatch:
         rest = [h for h in handles if h.slot.rank not in salvaging and not lost.get(h.report.node_id)]
         refs = [
             ray.remote(ship).options(**on_node(node)).remote(sink, _spools(hs), True)
-            for node, hs in _by_node(tuple(rest)).items()
+            for node, hs in ranks_by_node(tuple(rest)).items()
         ]
         pending = [r for r in salvaging.values() if r is not None] + refs
         ready, _ = ray.wait(pending, num_returns=len(pending), timeout=SALVAGE_WAIT_S)
