@@ -155,3 +155,14 @@ def test_a_blas_takes_the_threads_it_reads_at_load():
     assert blas_threads("mkl", {"OPENBLAS_NUM_THREADS": "3", "OMP_NUM_THREADS": "4,2"}, cpus=96) == 4
     assert blas_threads("openblas", {"OMP_NUM_THREADS": "0"}, cpus=96) == 96  # unset or 0: every CPU
     assert blas_threads("flexiblas", {"OMP_NUM_THREADS": "2"}, cpus=96) is None  # not known: left alone
+
+
+def test_the_command_line_ray_shows_has_its_secrets_redacted():
+    from launcher.core.rankenv import redact_argv
+
+    argv = ["python", "main.py", "--env", "API_TOKEN=s3cret", "--env=HF_HUB_TOKEN=hf_x", "--env", "LR=3e-4",
+            "--address", "https://me:pw@head:8265", "train.py", "--key", "Bearer abc.def"]  # fmt: skip
+    assert redact_argv(argv) == [
+        "python", "main.py", "--env", "API_TOKEN=<redacted>", "--env=HF_HUB_TOKEN=<redacted>", "--env",
+        "LR=3e-4", "--address", "https://me:<redacted>@head:8265", "train.py", "--key", "Bearer <redacted>",
+    ]  # fmt: skip

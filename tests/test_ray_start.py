@@ -137,6 +137,16 @@ def test_exit_handlers_run_secrets_reach_the_ranks_and_neither_is_lost_or_leaked
     for r in range(4):
         assert (out / f"seen-{r}").read_text() == f'{{"DATABASE_URL": "{db}", "HF_TOKEN": "hf_hunter2tok"}}'
     assert "hunter2" not in text
+    # nor Ray's tables, which anyone with the dashboard reads: the driver's command line is the job's
+    # entrypoint there (`ray list jobs --detail`)
+    tables = cluster.query(
+        "from ray.util.state import list_jobs, list_workers\n"
+        "result = [str(list_jobs(address=URL, detail=True, limit=10000)),\n"
+        "          str(list_workers(address=URL, detail=True, limit=10000)),\n"
+        "          str(list_actors(address=URL, detail=True, limit=10000)), str(client.list_jobs())]"
+    )
+    assert "rs-exit" in tables[0] and "HF_TOKEN=<redacted>" in tables[0], tables[0][-3000:]
+    assert not [t for t in tables if "hunter2" in t], [t[t.index("hunter2") - 300 :][:600] for t in tables]
     run_dir = runs / "rs-exit"
     assert run_dir.stat().st_mode & 0o777 == 0o700
     for f in run_dir.iterdir():

@@ -18,7 +18,7 @@ A higher level that changes a lower level's value is logged, never silent.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .topology import RankSlot, visible_devices
@@ -139,6 +139,25 @@ def redact_value(value: str) -> str:
 def redact(env: Mapping[str, str]) -> dict[str, str]:
     """Values of secret-looking names replaced whole; credentials embedded in other values replaced."""
     return {k: (REDACTED if is_secret(k) else redact_value(v)) for k, v in env.items()}
+
+
+def redact_argv(argv: Sequence[str]) -> list[str]:
+    """A command line as others may see it (Ray's job table shows the driver's): each `--env
+    NAME=VALUE` (or `--env=NAME=VALUE`) redacted as `redact` does the variable, credentials
+    embedded in any other argument replaced."""
+    out: list[str] = []
+    env_next = False
+    for arg in argv:
+        if env_next and "=" in arg:
+            name, value = arg.split("=", 1)
+            out.append(f"{name}={redact({name: value})[name]}")
+        elif arg.startswith("--env=") and "=" in arg[6:]:
+            name, value = arg[6:].split("=", 1)
+            out.append(f"--env={name}={redact({name: value})[name]}")
+        else:
+            out.append(redact_value(arg))
+        env_next = arg == "--env"
+    return out
 
 
 def _shown(key: str, value: str) -> str:

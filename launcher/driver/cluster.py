@@ -15,6 +15,7 @@ from typing import Any
 import ray
 
 from ..core.errors import ClusterError, UsageError
+from ..core.rankenv import redact_argv
 from ..core.spec import RAY_NAMESPACE, LaunchSpec
 from ..core.topology import RankReport, local_gpus_problem, local_ranks_problem
 from ..core.versions import python_version
@@ -48,12 +49,23 @@ def _caused_by_auth(e: BaseException | None) -> bool:
     return False
 
 
+def _command_line() -> list[str]:
+    """This process's command line, as Ray would record it (`/proc/self/cmdline`: the interpreter,
+    the script, every argument), else `sys.argv`."""
+    try:
+        with open("/proc/self/cmdline", "rb") as f:
+            return [a.decode(errors="replace") for a in f.read().split(b"\0")[:-1]]
+    except OSError:
+        return [sys.executable, *sys.argv]
+
+
 def _init(**kwargs: Any) -> None:
     from ray.exceptions import AuthenticationError
 
     address = kwargs.get("address")
     try:
-        ray.init(namespace=RAY_NAMESPACE, logging_level=logging.WARNING, **kwargs)
+        with rayprivate.entrypoint_shown_as(redact_argv(_command_line())):
+            ray.init(namespace=RAY_NAMESPACE, logging_level=logging.WARNING, **kwargs)
     except (AuthenticationError, ConnectionError, RuntimeError) as e:
         if _caused_by_auth(e):
             raise ClusterError(f"the Ray cluster at {address} {AUTH_HINT}") from None

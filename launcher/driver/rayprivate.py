@@ -4,6 +4,9 @@ breaks here, and tests/test_structure.py keeps the rest of the package off them.
 
 from __future__ import annotations
 
+import contextlib
+import subprocess
+from collections.abc import Iterator
 from typing import Any
 
 
@@ -16,6 +19,23 @@ def local_gpu_count() -> int:
     from ray._private.accelerators import get_accelerator_manager_for_resource
 
     return int(get_accelerator_manager_for_resource("GPU").get_current_node_num_accelerators() or 0)
+
+
+# -- what Ray's job table shows of this driver ----------------------------------------------------
+@contextlib.contextmanager
+def entrypoint_shown_as(argv: list[str]) -> Iterator[None]:
+    """`ray.init` inside records this process's command line as the job's entrypoint, which `ray list
+    jobs --detail` and the dashboard show to anyone with access to the cluster; here it records
+    `argv` instead (the command line with its secrets redacted). Ray reads it through
+    `ray._private.utils.get_entrypoint_name` and has no option to set it."""
+    import ray._private.utils as ray_utils
+
+    own = ray_utils.get_entrypoint_name
+    ray_utils.get_entrypoint_name = lambda: subprocess.list2cmdline(argv)
+    try:
+        yield
+    finally:
+        ray_utils.get_entrypoint_name = own
 
 
 # -- the GCS key-value store --------------------------------------------------------------------------
