@@ -70,7 +70,16 @@ def test_up_holds_a_local_ray_that_launches_attach_to_and_down_leaves_nothing(en
     state = env["MEGARAY_STATE_DIR"]
     decoys: list[subprocess.Popen] = []
     try:
+        # two at once (#46): one starts a Ray, the other waits for it and finds it running
+        other = drive.start("up", "--nodes", "2", "--gpus-per-node", "2", env=env, log=tmp_path / "other-up")
         up = megaray(env, "up", "--nodes", "2", "--gpus-per-node", "2")
+        assert other.wait(timeout=180) == 0, (tmp_path / "other-up").read_text()[-3000:]
+        if "already running at 127.0.0.1:" in up.stderr:  # the other one started it: its output is the test's
+            other_said = (tmp_path / "other-up").read_text()
+            up = subprocess.CompletedProcess(up.args, 0, "", other_said)
+        else:
+            other_said = (tmp_path / "other-up").read_text()
+            assert "already running at 127.0.0.1:" in other_said, other_said[-3000:]
         assert up.returncode == 0, up.stderr[-3000:]
         # a fresh HOME has no token: one is made where Ray looks, said in one line, private to the user
         token = Path(env["HOME"]) / ".ray" / "auth_token"
@@ -314,6 +323,22 @@ def test_pools_run_programs_as_a_cold_start_refill_and_give_back_when_idle(env, 
         down = megaray(env, "down")
     assert down.returncode == 0
     assert processes_under(env["MEGARAY_STATE_DIR"]) == []
+
+
+def test_a_read_only_state_dir_is_one_line(tmp_path):
+    """#46: a MEGARAY_STATE_DIR on a read-only filesystem (mounted so in a mount namespace of the
+    command's own) gave `megaray up` a 24-line traceback."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("a read-only mount needs root and util-linux's unshare")
+    state = tmp_path / "state"
+    state.mkdir()
+    shell = f'mount -t tmpfs -o ro none "{state}" && exec "$@"'
+    for argv in (["up"], ["list"]):
+        p = subprocess.run(["unshare", "--mount", "sh", "-c", shell, "sh", sys.executable, "main.py", *argv],
+                           cwd=REPO, env={**os.environ, "MEGARAY_STATE_DIR": str(state)}, capture_output=True,
+                           text=True, timeout=60)  # fmt: skip
+        assert p.returncode == 2 and p.stderr.count("\n") == 1, p.stderr[-3000:]
+        assert f"MEGARAY_STATE_DIR names {state}, which is not a folder megaray can use" in p.stderr
 
 
 SLEEPS = """

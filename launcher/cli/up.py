@@ -119,22 +119,23 @@ def _up(args: argparse.Namespace, exits_after: bool) -> int:
         raise UsageError(
             "simulated nodes hold CPU ranks: use --device cpu, or --nodes 1 for this machine's GPUs"
         )
-    standing = up.running()
-    if standing is not None:
-        log.info("`megaray up` is already running at %s; `megaray down` stops it", standing.describe())
-        return 0
-    # about 10-20 s on a small machine: said first, so that a silent terminal is not taken for a hang
-    starting = (
-        f"starting a local Ray of {layout.describe()}, then its {layout.kind} (one process per rank, "
-        f"{layout.holds})..."
-    )
-    try:
-        standing = up.start(
-            args.nodes, args.gpus_per_node, device, args.cpus_per_rank, lambda: keep(layout), starting
+    with up.one_at_a_time():
+        standing = up.running()
+        if standing is not None:
+            log.info("`megaray up` is already running at %s; `megaray down` stops it", standing.describe())
+            return 0
+        # about 10-20 s on a small machine: said first, so that a silent terminal is not taken for a hang
+        starting = (
+            f"starting a local Ray of {layout.describe()}, then its {layout.kind} (one process per rank, "
+            f"{layout.holds})..."
         )
-    except Interrupted as e:
-        log.error("interrupted by %s: stopped the nodes started so far; nothing is left running", e.name)
-        return e.exit_code
+        try:
+            standing = up.start(
+                args.nodes, args.gpus_per_node, device, args.cpus_per_rank, lambda: keep(layout), starting
+            )
+        except Interrupted as e:
+            log.error("interrupted by %s: stopped the nodes started so far; nothing is left running", e.name)
+            return e.exit_code
     log.info(
         "started a local Ray at %s, with a %s (one process per rank, %s); launches without --address or "
         "RAY_ADDRESS use it until `megaray down`",

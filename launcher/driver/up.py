@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import json
 import logging
 import os
@@ -23,7 +24,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,16 +40,21 @@ NODE_START_TIMEOUT_S = 90.0
 def state_dir() -> Path:
     """Private to this user: the state file and the cluster's Ray temp dir (short, for Ray's sockets)."""
     d = Path(os.environ.get("MEGARAY_STATE_DIR") or Path(tempfile.gettempdir()) / f"megaray-{os.getuid()}")
+    why = None
     try:
         d.mkdir(mode=0o700, parents=True, exist_ok=True)
+        if not os.access(d, os.W_OK | os.X_OK):  # there, but read-only: the lock, the log, the state
+            why = "Permission denied"
     except OSError as e:
+        why = e.strerror or str(e)
+    if why is not None:
         named = (
             "MEGARAY_STATE_DIR names" if os.environ.get("MEGARAY_STATE_DIR") else "megaray keeps its state in"
         )
         raise UsageError(
-            f"{named} {d}, which is not a folder megaray can use ({e.strerror or e}): point "
+            f"{named} {d}, which is not a folder megaray can use ({why}): point "
             "MEGARAY_STATE_DIR at a writable folder"
-        ) from None
+        )
     return d
 
 
@@ -92,6 +98,24 @@ def running() -> Standing | None:
     with contextlib.suppress(OSError):
         path.unlink()
     return None
+
+
+@contextlib.contextmanager
+def one_at_a_time() -> Iterator[None]:
+    """Held by a `megaray up` from its look for a running one to its state file written: a second
+    `up` started meanwhile waits here, then finds the first one running (two at once both started a
+    Ray, the state file recorded one, and `down` never saw the other)."""
+    path = state_dir() / "up.lock"
+    with open(path, "a") as held:
+        os.chmod(path, 0o600)
+        try:
+            fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info(
+                "another `megaray up` is starting a Ray with this state (%s): waiting for it", path.parent
+            )
+            fcntl.flock(held, fcntl.LOCK_EX)
+        yield
 
 
 def _free_port() -> int:
