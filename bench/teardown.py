@@ -22,6 +22,7 @@ from pathlib import Path
 from common import PY, REPO, clean_env, median, ray_cluster, summary
 
 TARGET = str(REPO / "bench" / "targets.py")
+SIGNALED = "SIGTERM to the launcher: "
 
 
 def _alive(pid: int) -> bool:
@@ -36,8 +37,12 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def once(cmd: list[str], ranks: int, job_groups=None, handler_s: float | None = None) -> tuple[float, float]:
-    """(seconds from the kill to the last rank process gone, seconds to the driver's exit)."""
+def once(
+    cmd: list[str], ranks: int, job_groups=None, handler_s: float | None = None, driver_signal: bool = False
+) -> tuple[float, float]:
+    """(seconds from the kill to the last rank process gone, seconds to the driver's exit). With
+    `driver_signal`, the launcher itself gets SIGTERM (a scheduler's preemption, `kill`), not a rank
+    SIGKILL."""
     out = Path(tempfile.mkdtemp(prefix="megaray-teardown-"))
     env = {**clean_env(), "BENCH_OUT": str(out)}
     extra = [] if handler_s is None else [str(handler_s)]
@@ -52,7 +57,10 @@ def once(cmd: list[str], ranks: int, job_groups=None, handler_s: float | None = 
         time.sleep(0.2)
         pids = [int(f.read_text()) for f in sorted(out.glob("pid-*"))]
         t0 = time.monotonic()
-        os.kill(pids[1], signal.SIGKILL)
+        if driver_signal:
+            p.send_signal(signal.SIGTERM)
+        else:
+            os.kill(pids[1], signal.SIGKILL)
         gone = None
         while gone is None or p.poll() is None:
             if (
@@ -78,6 +86,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--handler-s", type=float, help="also time ranks whose SIGTERM handler takes this long"
     )
+    parser.add_argument(
+        "--driver-signal", action="store_true",
+        help="also time SIGTERM to the launcher itself, ranks ending at once on it: to its exit",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     n = args.ranks
     handlers = [None] if args.handler_s is None else [None, args.handler_s]
@@ -101,10 +113,19 @@ def main(argv: list[str] | None = None) -> dict:
                     cmd = [PY, str(REPO / "main.py"), "--address", address, "--job-name", job, "--device",
                            "cpu", "--gpus-per-node", str(n), "--cpus-per-rank", "0.5"]  # fmt: skip
                     res.setdefault("megaray" + suffix, []).append(once(cmd, n, groups(job), handler_s=h))
+            for i in range(args.repeats if args.driver_signal else 0):
+                torchrun = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(n)]
+                res.setdefault(SIGNALED + "torchrun", []).append(once(torchrun, n, driver_signal=True))
+                job = f"teardowns{i}"
+                cmd = [PY, str(REPO / "main.py"), "--address", address, "--job-name", job, "--device",
+                       "cpu", "--gpus-per-node", str(n), "--cpus-per-rank", "0.5"]  # fmt: skip
+                res.setdefault(SIGNALED + "megaray", []).append(once(cmd, n, groups(job), driver_signal=True))
         finally:
             ray.shutdown()
     print(f"{n} ranks, SIGKILL of rank 1 (seconds, median of {args.repeats}):", flush=True)
     for name, runs in res.items():
+        if name.startswith(SIGNALED):
+            continue
         what = "ranks gone + groups removed" if name.startswith("megaray") else "ranks gone"
         gone, exited = summary([r[0] for r in runs]), summary([r[1] for r in runs])
         print(f"  {name:9s} {what}: {gone}; driver exited: {exited}")
@@ -114,6 +135,13 @@ def main(argv: list[str] | None = None) -> dict:
             [r[0] for r in res["torchrun" + suffix]]
         )
         print(f"  megaray/torchrun (ranks gone){suffix}: {ratio:.2f}", flush=True)
+    if args.driver_signal:
+        mine, theirs = res[SIGNALED + "megaray"], res[SIGNALED + "torchrun"]
+        print(f"{n} ranks, SIGTERM to the launcher (seconds, median of {args.repeats}):", flush=True)
+        for name, runs in (("torchrun  ranks gone", theirs), ("megaray   ranks gone + groups removed", mine)):
+            print(f"  {name}: {summary([r[0] for r in runs])}; exited: {summary([r[1] for r in runs])}")
+        ratio = median([r[1] for r in mine]) / median([r[1] for r in theirs])
+        print(f"  megaray/torchrun (exited): {ratio:.2f}", flush=True)
     return res
 
 

@@ -28,7 +28,7 @@ def test_launch_overhead_runs_every_mode(capsys):
 def test_teardown_measures_both_launchers(capsys):
     import teardown
 
-    results = teardown.main(["--ranks", "2", "--repeats", "1", "--handler-s", "0.5"])
+    results = teardown.main(["--ranks", "2", "--repeats", "1", "--handler-s", "0.5", "--driver-signal"])
     assert all(gone > 0 for runs in results.values() for gone, _ in runs)
     handled = results["megaray (SIGTERM handler 0.5s)"][0][0]
     assert handled >= 0.5  # the surviving rank's handler ran to its end before the process went
@@ -37,6 +37,9 @@ def test_teardown_measures_both_launchers(capsys):
         "megaray/torchrun (ranks gone): " in out
         and "megaray/torchrun (ranks gone) (SIGTERM handler 0.5s)" in out
     )
+    assert "SIGTERM to the launcher" in out and "megaray/torchrun (exited): " in out
+    signaled = results["SIGTERM to the launcher: megaray"]
+    assert len(signaled) == 1 and 0 < signaled[0][0] <= signaled[0][1]  # its ranks gone before it exits
 
 
 def test_failures_times_rank_death_node_loss_and_a_hang(capsys):

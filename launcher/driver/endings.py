@@ -68,6 +68,31 @@ def crash_on_exit(
     )  # fmt: skip
 
 
+def _ship(node: str, sink: Any, spools: list[tuple[int, str]]) -> Any:
+    """Ship `spools` (rank/spool.py `ship`) from their node: a task there, or, on the driver's own
+    node, a thread of the driver (a task would first wait for Ray to start a worker process, about a
+    second on a small machine, on the way to every failure report and to the exit after Ctrl-C).
+    An ObjectRef or a Future."""
+    if node == ray.get_runtime_context().get_node_id():
+        return _in_thread(ship, sink, spools, True)
+    return ray.remote(ship).options(**on_node(node)).remote(sink, spools, True)
+
+
+def _wait_shipped(pending: list[Any], timeout_s: float) -> set[Any]:
+    """Which of `pending` (ObjectRefs and Futures) are done within `timeout_s`, waited for together."""
+    deadline = time.monotonic() + timeout_s
+    refs = [p for p in pending if not isinstance(p, Future)]
+    done = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0]) if refs else set()
+    futures = [p for p in pending if isinstance(p, Future)]
+    if futures:
+        done |= wait_futures(futures, timeout=max(0.0, deadline - time.monotonic())).done
+    return done
+
+
+def _shipped(x: Any) -> dict[str, Any]:
+    return x.result(timeout=0) if isinstance(x, Future) else ray.get(x, timeout=0)
+
+
 def _in_thread(fn: Any, *args: Any) -> Future:
     future: Future = Future()
 
@@ -253,11 +278,7 @@ class RankWatch:
         sink = self.sink
         if sink is None or not handle.spool:
             return None
-        return (
-            ray.remote(ship)
-            .options(**on_node(handle.report.node_id))
-            .remote(sink, [(handle.slot.rank, handle.spool)], True)
-        )
+        return _ship(handle.report.node_id, sink, [(handle.slot.rank, handle.spool)])
 
     def inspect_hang(self, idle_s: float) -> list[RankFailure]:
         """Every rank's state and stack, read by a task on its node; one failure per rank."""
@@ -355,12 +376,9 @@ class RankWatch:
         if sink is None or not handles:
             return
         rest = [h for h in handles if h.slot.rank not in salvaging and not lost.get(h.report.node_id)]
-        refs = [
-            ray.remote(ship).options(**on_node(node)).remote(sink, _spools(hs), True)
-            for node, hs in ranks_by_node(tuple(rest)).items()
-        ]
+        refs = [_ship(node, sink, _spools(hs)) for node, hs in ranks_by_node(tuple(rest)).items()]
         pending = [r for r in salvaging.values() if r is not None] + refs
-        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=SALVAGE_WAIT_S)
+        ready = _wait_shipped(pending, SALVAGE_WAIT_S)
         if error is None:
             return
         amended = []
@@ -370,9 +388,9 @@ class RankWatch:
                 amended.append(f)
                 continue
             try:
-                shipped = ray.get(ref, timeout=0) if ref in ready else {}
+                shipped = _shipped(ref) if ref in ready else {}
                 tail = tuple(ray.get(sink.tail.remote(f.rank), timeout=5))
-            except ray.exceptions.RayError as e:
+            except (ray.exceptions.RayError, OSError) as e:
                 log.warning("could not read what rank %d printed last: %s", f.rank, first_line(e))
                 amended.append(f)
                 continue
