@@ -180,6 +180,8 @@ def test_sys_exit_code_is_reported(capsys):
     )
     err = capsys.readouterr().err
     assert "rank      : 0 of 2" in err and "exit code : 3" in err
+    # as torchrun's `exitcode: 3`: the program chose to exit, no traceback of SystemExit (#45 item 6)
+    assert "traceback :" not in err and "SystemExit" not in err, err[-3000:]
     assert leftovers("exits") == ([], [])
 
 
