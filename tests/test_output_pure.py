@@ -290,3 +290,23 @@ def test_a_forwarders_flush_waits_for_what_it_held_not_for_what_keeps_coming():
         return [c for b in sink.batches for c in b.chunks if c[0] == 0]
 
     assert asyncio.run(main()) == [(0, 0, b"last words\n")]
+
+
+def test_ray_s_crash_handler_lines_stay_off_the_console_and_in_the_rank_log(tmp_path):
+    """#45 item 6: a crashing rank's console lines are the program's (faulthandler's stack included),
+    not Ray's failure handler's signal line, raw addresses and logging.cc lines."""
+    sink = OutputSink(str(tmp_path), node_of_rank=[0], console=frozenset({0}))
+    dump = [
+        "last words",
+        "Fatal Python error: Segmentation fault",
+        '  File "/tmp/die.py", line 8 in <module>',
+        "*** SIGSEGV received at time=1764180000 on cpu 1 ***",
+        "PC: @     0x7f3a2b4c5d6e  (unknown)  string_at",
+        "    @     0x7f3a2b4c5d6f        208  absl::WriteFailureInfo()",
+        "[2026-11-26 19:56:02,123 E 6334 6334] logging.cc:474: *** SIGSEGV received at time=1764180000 ***",
+        "Extension modules: numpy.core._multiarray_umath, torch._C (total: 2)",
+    ]
+    sink.write(0, ("\n".join(dump) + "\n").encode(), 0)
+    console, _, _ = sink.finish()
+    assert console == ["[r0 n0] " + ln for ln in dump[:3]]
+    assert (tmp_path / "rank-0.log").read_text() == "".join(f"[r0 n0] {ln}\n" for ln in dump)

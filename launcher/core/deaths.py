@@ -154,12 +154,17 @@ def ray_teardown_crash(last_output: list[str] | tuple[str, ...]) -> bool:
 
 
 # Lines of a crash dump that say nothing to the program's author: Ray's own failure handler (the
-# same signal, again, with raw addresses), the list of extension modules, and stack frames of the
-# launcher, Ray and runpy below the program's own.
-_NOISE = re.compile(
-    r"\] logging\.cc:\d+: |^PC: @|^\s+@\s+0x|^\*\*\* SIG[A-Z]+ received|^Extension modules: "
-    r'|^\s+File "(<frozen runpy>|[^"]*/(ray|launcher/rank)/[^"]*)", line'
-)
+# same signal, again, with raw addresses) and the list of extension modules; in the failure report,
+# stack frames of the launcher, Ray and runpy below the program's own too.
+_RAY_CRASH = r"\] logging\.cc:\d+: |^PC: @|^\s+@\s+0x|^\*\*\* SIG[A-Z]+ received|^Extension modules: "
+_CRASH_DUMP = re.compile(_RAY_CRASH)
+_NOISE = re.compile(_RAY_CRASH + r'|^\s+File "(<frozen runpy>|[^"]*/(ray|launcher/rank)/[^"]*)", line')
+
+
+def ray_crash_line(line: str) -> bool:
+    """A line Ray's failure handler adds to a crashing rank's output (or the extension-module list):
+    kept in the rank's log, off the console, where torchrun's users see the program's own lines."""
+    return _CRASH_DUMP.search(line) is not None
 
 
 LINE_HEAD, LINE_END = 1000, 200  # of a long line in the report: its start and its end

@@ -19,6 +19,7 @@ from typing import Any
 
 import ray
 
+from ..core.deaths import ray_crash_line
 from ..core.metrics import RankLabels
 from ..core.outbatch import OutputBatch, merged
 from ..core.progress import parse_checkpoint_line, parse_megatron_line
@@ -104,7 +105,7 @@ class OutputSink:
             elif (saved := parse_checkpoint_line(ln)) is not None:
                 self.progress.append({"rank": rank, "checkpoint": saved})
         if rank in self.console_ranks:
-            self.console.extend(tag + ln for ln in lines)
+            self.console.extend(tag + ln for ln in lines if not ray_crash_line(ln))
 
     def take(self, batch: OutputBatch) -> None:
         """A node's batch (rank/forwarder.py): output, progress, wait samples."""
