@@ -12,7 +12,7 @@ import pytest
 
 from launcher.core.errors import Interrupted, RankFailedError, RankFailure
 from launcher.driver.stop import StopSignal
-from launcher.driver.supervise import ROOT_CAUSE_WINDOW_S, STARTUP_GRACE_S, supervise
+from launcher.driver.supervise import PEER_WAIT_S, ROOT_CAUSE_WINDOW_S, STARTUP_GRACE_S, supervise
 
 
 class Clock:
@@ -113,6 +113,52 @@ def test_a_dead_rank_is_the_root_cause_over_peers_that_failed_just_after_it():
     assert [f.rank for f in e.value.failures] == [2, 0]  # rank 1 failed after the window: not waited for
     assert (2, ROOT_CAUSE_WINDOW_S) in gang.waits
     assert relay.pumps[-1] == 2.0  # the failing rank's last lines are fetched before the report
+
+
+def test_a_peer_s_connection_error_waits_for_the_death_that_caused_it():
+    """#46: a node's processes killed, a survivor's gloo error reached the driver first and was named
+    the root cause; the dead rank, told seconds later, is the cause."""
+    clock = Clock()
+    peer = failure(0, "exception", at=1.0, summary="RuntimeError: [gloo] Connection reset by peer")
+    died = failure(2, "died", at=3.5)
+    gang = FakeGang(clock, {0: (1.0, False, peer), 2: (3.5, False, died)})
+    with pytest.raises(RankFailedError) as e:
+        supervise(gang, gang.refs(), StopSignal(), clock=clock)
+    assert e.value.root.rank == 2 and [f.rank for f in e.value.failures] == [2, 0]
+    assert clock.now == 3.5  # it ended once the cause was told, not at the wait's bound
+
+
+def test_a_lost_node_told_by_the_node_checks_is_the_cause_of_a_peer_s_connection_error():
+    clock = Clock()
+    peer = failure(0, "exception", at=1.0, summary="RuntimeError: [gloo] Connection reset by peer")
+    lost = failure(1, "died", at=4.0, summary="its node 10.0.0.2 was lost")
+    gang = FakeGang(clock, {0: (1.0, False, peer)})
+
+    def tick() -> None:
+        if clock.now >= 4.0:
+            raise RankFailedError([lost], gang.world_size)
+
+    with pytest.raises(RankFailedError) as e:
+        supervise(gang, gang.refs(), StopSignal(), tick=tick, clock=clock)
+    assert e.value.root.summary == "its node 10.0.0.2 was lost" and [f.rank for f in e.value.failures] == [
+        1,
+        0,
+    ]
+
+
+def test_a_connection_error_alone_is_named_after_the_bounded_wait_and_other_errors_wait_not():
+    clock = Clock()
+    peer = failure(0, "exception", at=1.0, summary="RuntimeError: Connection reset by peer")
+    gang = FakeGang(clock, {0: (1.0, False, peer)})
+    with pytest.raises(RankFailedError) as e:
+        supervise(gang, gang.refs(), StopSignal(), clock=clock)
+    assert e.value.root.rank == 0 and 1.0 + PEER_WAIT_S <= clock.now <= 1.0 + PEER_WAIT_S + 0.5
+    clock = Clock()
+    own = failure(0, "exception", at=1.0, summary="ValueError: bad batch")
+    gang = FakeGang(clock, {0: (1.0, False, own)})
+    with pytest.raises(RankFailedError):
+        supervise(gang, gang.refs(), StopSignal(), clock=clock)
+    assert clock.now <= 1.0 + ROOT_CAUSE_WINDOW_S  # a program's own error ends the attempt at once
 
 
 def test_silence_is_a_hang_only_after_the_startup_grace_then_after_the_timeout():

@@ -6,6 +6,7 @@ Bad input and missing resources exit 2 (the user must change a setting); a rank 
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass
 from enum import StrEnum
@@ -81,6 +82,23 @@ class RankFailure:
 
 # A dead process, then a stuck one (stopped, in a hang), before ranks that merely raised or waited.
 _ROOT_ORDER = {FailureKind.DIED: 0, FailureKind.HUNG: 1}
+
+# What a rank's collective or store raises when a peer's process or node is gone (gloo, NCCL, the
+# TCP store): the consequence of another rank's end, which Ray or megaray's node probes tell a few
+# seconds later, not a cause of its own.
+_PEER_GONE = re.compile(
+    r"Connection reset by peer|Connection closed by peer|Broken pipe|Connection refused"
+    r"|remote process exited|ncclRemoteError|failed to recv|Socket Timeout",
+    re.IGNORECASE,
+)
+
+
+def peer_consequence(f: RankFailure) -> bool:
+    """Whether a failure is a rank's connection error with a peer (a consequence, not a cause)."""
+    return (
+        f.kind is FailureKind.EXCEPTION
+        and _PEER_GONE.search(f"{f.summary}\n{f.traceback[-4000:]}") is not None
+    )
 
 
 OTHERS_SHOWN = 20  # kinds of failure listed after the root cause: one screen, at any world size

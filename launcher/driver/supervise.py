@@ -14,10 +14,13 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ..core.errors import RankFailedError, RankFailure
+from ..core.errors import RankFailedError, RankFailure, peer_consequence
 from .stop import StopSignal
 
 ROOT_CAUSE_WINDOW_S = 0.1  # failures arriving this close together are compared to find the first
+# When every failure so far is a peer's connection error, how long to wait for the end that caused
+# it (a process or node gone, told by Ray or megaray's probes: core/liveness.py, about 4 s)
+PEER_WAIT_S = 6.0
 STARTUP_GRACE_S = 120.0  # the least silence allowed before the first line of any rank
 POLL_S = 0.25  # how often the loop looks at signals, output and the hang timer
 
@@ -97,8 +100,29 @@ def supervise(
         collect(done)
         if failures:
             if pending:
-                collect(gang.wait(pending, len(pending), ROOT_CAUSE_WINDOW_S)[0])
+                more, pending = gang.wait(pending, len(pending), ROOT_CAUSE_WINDOW_S)
+                collect(more)
+            _wait_for_the_cause(gang, pending, failures, collect, tick, stop, clock)
             if relay is not None:
                 relay.pump(wait_s=2.0)  # the failing rank's last lines before the report
             raise RankFailedError(failures, gang.world_size)
     return tuple(returns)
+
+
+def _wait_for_the_cause(
+    gang: Gang, pending: list, failures: list[RankFailure], collect: Callable[[list], None],
+    tick: Callable[[], None], stop: StopSignal, clock: Callable[[], float],
+) -> None:  # fmt: skip
+    """While every failure is a peer's connection error (a gloo "Connection reset by peer" within a
+    moment of another rank's process or node going), wait up to PEER_WAIT_S for what ended: another
+    rank's failure, or the node checks in `tick` (which raise for a lost node or an ending process;
+    their failures then come with these)."""
+    deadline = clock() + PEER_WAIT_S
+    while pending and all(map(peer_consequence, failures)) and clock() < deadline:
+        stop.check()
+        try:
+            tick()
+        except RankFailedError as e:
+            raise RankFailedError([*e.failures, *failures], gang.world_size) from None
+        done, pending[:] = gang.wait(pending, 1, POLL_S)
+        collect(done)
