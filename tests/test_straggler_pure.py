@@ -166,3 +166,12 @@ def test_the_watch_takes_both_kinds_of_sample_and_keeps_the_step_figures(tmp_pat
     (record,) = json.loads((tmp_path / "stragglers.json").read_text())
     assert record["rank"] == 2 and record["node"] == "10.0.0.2 (b)" and record["slowdown"] == 4.0
     assert record["step_s"] == 0.2 and record["peers_step_s"] == 0.05 and record["stage"] == 0
+
+
+def test_straggler_detection_is_turned_off_as_other_switches_are():
+    from launcher.core.straggler import stragglers_off
+
+    assert all(stragglers_off({"MEGARAY_STRAGGLERS": v}) for v in ("off", "OFF", " Off", "0", "false", "no"))
+    assert not any(
+        stragglers_off(env) for env in ({}, {"MEGARAY_STRAGGLERS": "on"}, {"MEGARAY_STRAGGLERS": "1"})
+    )

@@ -19,6 +19,16 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
+OFF_VAR = "MEGARAY_STRAGGLERS"
+_OFF = frozenset({"off", "0", "false", "no"})
+
+
+def stragglers_off(environ: Any) -> bool:
+    """Whether the rank's environment turns straggler detection off (`--env MEGARAY_STRAGGLERS=off`;
+    any case, and 0/false/no as other switches take them: only `off` exactly did)."""
+    return str(environ.get(OFF_VAR, "")).strip().lower() in _OFF
+
+
 # samples older than this are forgotten: the ranks' start (imports, rendezvous) must not dilute the
 # figures (with 15 s, peers waiting 75% of each step were seen waiting 50% when their straggler was
 # named), and a rank that recovers is seen to

@@ -24,7 +24,7 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-from ..core.straggler import StepSample
+from ..core.straggler import StepSample, stragglers_off
 from ..rank.capture import current_sink
 from ..rank.waits import gpu_memory, send_every
 
@@ -37,7 +37,7 @@ def timed(forward_step: Callable, sink: Any = None) -> Callable:
     MEGARAY_STRAGGLERS=off`. The wrapper keeps its signature (`functools.wraps`): bridge reads it to
     decide whether to pass its GlobalState."""
     sink = sink if sink is not None else current_sink()
-    if sink is None or os.environ.get("MEGARAY_STRAGGLERS") == "off":
+    if sink is None or stragglers_off(os.environ):
         return forward_step
     timer = StepTimer(sink, int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1")))
 

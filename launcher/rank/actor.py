@@ -28,6 +28,7 @@ from ..core.errors import ClusterError, FailureKind
 from ..core.outcome import RankOutcome
 from ..core.rankenv import NODE_DEFAULTS
 from ..core.runner import TargetRunner
+from ..core.straggler import stragglers_off
 from ..core.target import Target
 from ..core.topology import RankReport, candidate_ports
 from ..core.versions import python_version
@@ -222,7 +223,7 @@ class RankActor:
         before = signal.getsignal(signal.SIGTERM)
         sampler = None
         # the driver's straggler detection (rank/waits.py); `--env MEGARAY_STRAGGLERS=off` turns it off
-        watched = os.environ.get("MEGARAY_STRAGGLERS") != "off"
+        watched = not stragglers_off(os.environ)
         if self.capture is not None and runner.looks_at_waits and watched:
             from .waits import WaitSampler
 
