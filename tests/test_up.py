@@ -74,11 +74,10 @@ def test_up_holds_a_local_ray_that_launches_attach_to_and_down_leaves_nothing(en
         other = drive.start("up", "--nodes", "2", "--gpus-per-node", "2", env=env, log=tmp_path / "other-up")
         up = megaray(env, "up", "--nodes", "2", "--gpus-per-node", "2")
         assert other.wait(timeout=180) == 0, (tmp_path / "other-up").read_text()[-3000:]
+        other_said = (tmp_path / "other-up").read_text()
         if "already running at 127.0.0.1:" in up.stderr:  # the other one started it: its output is the test's
-            other_said = (tmp_path / "other-up").read_text()
             up = subprocess.CompletedProcess(up.args, 0, "", other_said)
         else:
-            other_said = (tmp_path / "other-up").read_text()
             assert "already running at 127.0.0.1:" in other_said, other_said[-3000:]
         assert up.returncode == 0, up.stderr[-3000:]
         # a fresh HOME has no token: one is made where Ray looks, said in one line, private to the user

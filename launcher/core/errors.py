@@ -179,10 +179,10 @@ class RankFailedError(MegarayError):
         if r.last_output:
             out.append(f"  last output (all of it in rank-{r.rank}.log):")
             out.extend("    " + ln for ln in r.last_output)
-        if (
-            r.traceback and r.kind is not FailureKind.EXIT
-        ):  # sys.exit(n) is the program's word, as argparse's:
-            out.append("  traceback :")  # torchrun shows its exit code alone (summary.json keeps the frames)
+        # sys.exit(n) is the program's word (argparse's 2): torchrun shows its exit code alone, and
+        # summary.json keeps the frames
+        if r.traceback and r.kind is not FailureKind.EXIT:
+            out.append("  traceback :")
             out.extend("    " + ln for ln in r.traceback.rstrip().splitlines())
         others = _grouped(self.failures[1:])
         if others:

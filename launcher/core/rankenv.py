@@ -136,24 +136,31 @@ def redact_value(value: str) -> str:
     return _BEARER.sub(lambda m: m.group("head") + REDACTED, value)
 
 
+def _redacted(name: str, value: str) -> str:
+    return REDACTED if is_secret(name) else redact_value(value)
+
+
 def redact(env: Mapping[str, str]) -> dict[str, str]:
     """Values of secret-looking names replaced whole; credentials embedded in other values replaced."""
-    return {k: (REDACTED if is_secret(k) else redact_value(v)) for k, v in env.items()}
+    return {k: _redacted(k, v) for k, v in env.items()}
 
 
 def redact_argv(argv: Sequence[str]) -> list[str]:
     """A command line as others may see it (Ray's job table shows the driver's): each `--env
     NAME=VALUE` (or `--env=NAME=VALUE`) redacted as `redact` does the variable, credentials
     embedded in any other argument replaced."""
+
+    def assignment(text: str) -> str:
+        name, value = text.split("=", 1)
+        return f"{name}={_redacted(name, value)}"
+
     out: list[str] = []
     env_next = False
     for arg in argv:
         if env_next and "=" in arg:
-            name, value = arg.split("=", 1)
-            out.append(f"{name}={redact({name: value})[name]}")
+            out.append(assignment(arg))
         elif arg.startswith("--env=") and "=" in arg[6:]:
-            name, value = arg[6:].split("=", 1)
-            out.append(f"--env={name}={redact({name: value})[name]}")
+            out.append("--env=" + assignment(arg[6:]))
         else:
             out.append(redact_value(arg))
         env_next = arg == "--env"

@@ -47,18 +47,16 @@ def _shown(value: Any) -> str:
 def as_number(value: Any) -> float | int | None:
     """`value` as a Python int or float, or None where it is not one number: a one-element tensor
     or numpy value through `.item()`, anything else through `float()` (a numeric string too)."""
-    if isinstance(value, bool):
-        return int(value)
-    if isinstance(value, int | float):
-        return value
     item = getattr(value, "item", None)
     if callable(item):
         try:
             value = item()  # a tensor or array of more than one element raises
         except Exception:
             return None
-        if isinstance(value, bool | int | float):
-            return int(value) if isinstance(value, bool) else value
+    if isinstance(value, bool):
+        return int(value)
+    if isinstance(value, int | float):
+        return value
     try:
         return float(value)
     except (TypeError, ValueError, OverflowError):
