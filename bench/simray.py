@@ -129,8 +129,21 @@ class Sim:
         self.driver_node = "e" * 56  # not one of the simulated nodes (theirs count up from 0)
         self.loop_lags: list[float] = []  # how late the simulation's event loop wakes: its own load
         threading.Thread(target=self.loop.run_forever, name="sim-loop", daemon=True).start()
-        asyncio.run_coroutine_threadsafe(self._loop_lag(), self.loop)
+        self.tasks: set[asyncio.Task] = set()
+        self.spawn(self._loop_lag())
         threading.Thread(target=self._clock, name="sim-clock", daemon=True).start()
+
+    def spawn(self, coro: Any) -> None:
+        """Runs `coro` on the simulation's loop, holding its task as Ray holds an actor call's: the
+        loop holds tasks weakly, and one awaiting a future only it refers to (watch_ends' wait that
+        never answers) would be collected mid-call, its caller told GeneratorExit."""
+
+        def start() -> None:
+            task = self.loop.create_task(coro)
+            self.tasks.add(task)
+            task.add_done_callback(self.tasks.discard)
+
+        self.loop.call_soon_threadsafe(start)
 
     async def _loop_lag(self) -> None:
         while True:
@@ -362,7 +375,7 @@ class Actor:
                         self._busy = False
                         return
                     name, args, ref = self._queue.pop(0)
-                asyncio.run_coroutine_threadsafe(self._run_async(name, args, ref), SIM.loop)
+                SIM.spawn(self._run_async(name, args, ref))
         if self._inline:
             self._drain()
         else:
@@ -688,7 +701,7 @@ class SimRank:
 
     def run(self, runner: Any, target: Any, cwd: str) -> Ref:
         self.run_ref = Ref()
-        asyncio.run_coroutine_threadsafe(self._program(), SIM.loop)
+        SIM.spawn(self._program())
         return self.run_ref
 
     async def _program(self) -> None:

@@ -153,8 +153,11 @@ class NodeForwarder:
             if ends:
                 return ends
             await asyncio.sleep(ENDS_EVERY_S)
-        await asyncio.Event().wait()  # nothing to watch: never answers
-        return []
+        # Nothing to watch: never answers. A sleep, not a bare Event().wait(): the loop's timer holds
+        # the call, where an event only the call refers to may be collected with it mid-wait (asyncio
+        # holds tasks weakly) and the driver told GeneratorExit, a dead forwarder to it.
+        while True:
+            await asyncio.sleep(3600)
 
     @ray.method(concurrency_group=CONTROL)
     async def wait_stop(self) -> None:
