@@ -61,26 +61,39 @@ def test_a_gpu_launch_on_a_machine_without_gpus_is_refused_before_a_ray_starts()
 
 ENV_PROBE = """
 import json, os, sys
-keys = ("ACCELERATE_USE_CPU", "MY_PASSWORD", "NCCL_DEBUG", "HF_HUB_OFFLINE", "RANK")
+keys = ("ACCELERATE_USE_CPU", "MY_PASSWORD", "NCCL_DEBUG", "HF_HUB_OFFLINE", "RANK", "FOO", "SLURM_PROCID",
+        "XDG_RUNTIME_DIR")
 open(os.path.join(sys.argv[1], f"env-{os.environ['RANK']}.json"), "w").write(
     json.dumps({k: os.environ.get(k) for k in keys})
 )
 """
 
 
-def test_local_ranks_get_the_shells_library_variables_and_nothing_else(tmp_path):
-    # The same policy as on a cluster (test_multi_node): forwarded by prefix, never the whole shell.
+# What the shell exports for the program, and what describes the driver's own session (a Slurm step's
+# rank, a login's runtime dir): the first reaches every rank, as under torchrun; the second does not.
+SHELL_VARS = {"ACCELERATE_USE_CPU": "true", "MY_PASSWORD": "hunter2", "NCCL_DEBUG": "INFO", "FOO": "1",
+              "SLURM_PROCID": "7", "XDG_RUNTIME_DIR": "/run/user/1000"}  # fmt: skip
+
+
+def expected_env(rank: int) -> dict[str, str | None]:
+    return {"ACCELERATE_USE_CPU": "true", "MY_PASSWORD": "hunter2", "NCCL_DEBUG": "INFO",
+            "HF_HUB_OFFLINE": "1", "RANK": str(rank), "FOO": "1", "SLURM_PROCID": None,
+            "XDG_RUNTIME_DIR": None}  # fmt: skip
+
+
+def test_local_ranks_get_the_shells_variables_but_not_its_sessions(tmp_path):
+    # #45 item 3: `FOO=1 torchrun train.py` gives every rank FOO; the same rule on a cluster (test_multi_node)
     script = tmp_path / "probe.py"
     script.write_text(ENV_PROBE)
-    env = drive.user_env(ACCELERATE_USE_CPU="true", MY_PASSWORD="hunter2", NCCL_DEBUG="INFO")
+    env = drive.user_env(**SHELL_VARS)
     args = ("--device", "cpu", "--nodes", "2", "--runs-dir", str(tmp_path), str(script), str(tmp_path))
     p = drive.run(*args, env=env)
     assert p.returncode == 0, (p.stdout + p.stderr)[-3000:]
     for rank in (0, 1):
-        seen = json.loads((tmp_path / f"env-{rank}.json").read_text())
-        assert seen == {"ACCELERATE_USE_CPU": "true", "MY_PASSWORD": None, "NCCL_DEBUG": "INFO",
-                        "HF_HUB_OFFLINE": "1", "RANK": str(rank)}  # fmt: skip
-    said = p.stderr.split("variables of this shell (values not shown): ", 1)[1].splitlines()[0].split(", ")
-    assert {"ACCELERATE_USE_CPU", "HF_HOME", "HF_HUB_OFFLINE", "NCCL_DEBUG"} <= set(said)
-    assert "MY_PASSWORD" not in said
+        assert json.loads((tmp_path / f"env-{rank}.json").read_text()) == expected_env(rank)
+    said = p.stderr.split("variables of this shell (values not shown): ", 1)[1].splitlines()[0]
+    assert all(name in said for name in ("ACCELERATE_USE_CPU", "FOO", "MY_PASSWORD"))
+    assert "SLURM_PROCID" not in said and "XDG_RUNTIME_DIR" not in said
+    (run,) = (d for d in tmp_path.iterdir() if d.is_dir())
+    assert "hunter2" not in (run / "spec.json").read_text() + (run / "env.json").read_text()
     assert "hunter2" not in p.stdout + p.stderr

@@ -357,18 +357,15 @@ def test_each_node_group_gets_a_ray_node_of_its_own(cluster, out, capsys):
     assert leftovers("distinct3") == ([], []) and leftovers("distinct4") == ([], [])
 
 
-def test_cluster_ranks_get_the_shells_library_variables_and_nothing_else(cluster, tmp_path, monkeypatch):
+def test_cluster_ranks_get_the_shells_variables_but_not_its_sessions(cluster, tmp_path, monkeypatch):
     # Exported in the launching shell only (the nodes started without them): as test_demo's local run.
-    from .test_demo import ENV_PROBE
+    from .test_demo import ENV_PROBE, SHELL_VARS, expected_env
 
-    monkeypatch.setenv("ACCELERATE_USE_CPU", "true")
-    monkeypatch.setenv("MY_PASSWORD", "hunter2")
-    monkeypatch.setenv("NCCL_DEBUG", "INFO")
+    for k, v in SHELL_VARS.items():
+        monkeypatch.setenv(k, v)
     script = tmp_path / "probe.py"
     script.write_text(ENV_PROBE)
     args = f"--device cpu --nodes 2 --runs-dir {tmp_path} {script} {tmp_path}"
     assert launch(cluster, "envpolicy", tmp_path, args) == 0
     for rank in (0, 1):
-        seen = json.loads((tmp_path / f"env-{rank}.json").read_text())
-        assert seen == {"ACCELERATE_USE_CPU": "true", "MY_PASSWORD": None, "NCCL_DEBUG": "INFO",
-                        "HF_HUB_OFFLINE": "1", "RANK": str(rank)}  # fmt: skip
+        assert json.loads((tmp_path / f"env-{rank}.json").read_text()) == expected_env(rank)

@@ -129,20 +129,41 @@ def test_each_rank_names_the_interface_of_its_nodes_ray_ip_unless_told_otherwise
     )
 
 
-def test_the_network_s_ca_and_proxies_reach_ranks_and_start_up_variables_are_told_apart():
-    from launcher.core.rankenv import forwarded_env, startup_env
+def test_the_shell_s_variables_reach_ranks_but_not_the_machine_s_and_start_up_variables_are_told_apart():
+    """#45 item 3: `FOO=1 torchrun train.py` gives every worker FOO; so does megaray, less what
+    describes the driver's own machine, session or launcher (core/shellenv.py)."""
+    from launcher.core.rankenv import startup_env
+    from launcher.core.shellenv import forwarded_env, shown_names, startup_not_forwarded
 
-    shell = {"SSL_CERT_FILE": "/etc/ca.pem", "https_proxy": "http://p:3128", "MY_PASSWORD": "x", "HOME": "/h"}
-    assert forwarded_env(shell) == {"SSL_CERT_FILE": "/etc/ca.pem", "https_proxy": "http://p:3128"}
+    shell = {
+        "FOO": "1", "MY_PASSWORD": "x", "DATA_DIR": "/data", "SSL_CERT_FILE": "/etc/ca.pem",
+        "https_proxy": "http://p:3128", "HF_HOME": "/shared/hf", "NCCL_DEBUG": "INFO", "EDITOR": "vim",
+        # the driver's machine, session and launcher: not forwarded
+        "HOME": "/h", "PATH": "/usr/bin", "LD_LIBRARY_PATH": "/opt/lib", "CUDA_PATH": "/usr/local/cuda",
+        "CUDA_HOME": "/usr/local/cuda", "CUDA_VISIBLE_DEVICES": "0", "VIRTUAL_ENV": "/venv", "LC_ALL": "C",
+        "TERM": "xterm", "SSH_AUTH_SOCK": "/tmp/ssh", "XDG_RUNTIME_DIR": "/run/user/0", "SLURM_PROCID": "0",
+        "OMPI_COMM_WORLD_RANK": "0", "RAY_ADDRESS": "h:6379", "MEGARAY_STATE_DIR": "/s", "MASTER_ADDR": "h",
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM", "CONDA_PREFIX": "/c", "BASH_FUNC_f%%": "() { :; }",
+        "PYTHONHASHSEED": "0", "PYTHONUNBUFFERED": "1", "PYTHONPATH": "/src", "MALLOC_ARENA_MAX": "2",
+    }  # fmt: skip
+    assert forwarded_env(shell) == {
+        "DATA_DIR": "/data", "EDITOR": "vim", "FOO": "1", "HF_HOME": "/shared/hf", "MY_PASSWORD": "x",
+        "NCCL_DEBUG": "INFO", "SSL_CERT_FILE": "/etc/ca.pem", "https_proxy": "http://p:3128",
+    }  # fmt: skip
+    # start-up variables reach a rank with --env NAME; the ones its process lacks are named (not paths)
+    process = {"PYTHONUNBUFFERED": "1", "PATH": "/bin"}  # an image's ray start had PYTHONUNBUFFERED=1
+    assert startup_not_forwarded(shell, process, {}) == ["MALLOC_ARENA_MAX", "PYTHONHASHSEED"]
+    assert startup_not_forwarded(shell, process, {"PYTHONHASHSEED": "0"}) == ["MALLOC_ARENA_MAX"]
+    assert shown_names(["A", "B"]) == "A, B"
+    many = shown_names([f"V{i}" for i in range(30)])
+    assert many.startswith("V0, V1,") and many.endswith(" and 6 more (spec.json in the run directory)")
     got = startup_env(
         profile={"LD_LIBRARY_PATH": "/opt/efa/lib", "NCCL_DEBUG": "WARN", "PYTHONHASHSEED": "1"},
-        forwarded={"MALLOC_ARENA_MAX": "2"},
         overrides={"PYTHONHASHSEED": "0", "GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"},
     )
     assert got == {
         "GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0",
         "LD_LIBRARY_PATH": "/opt/efa/lib",
-        "MALLOC_ARENA_MAX": "2",
         "PYTHONHASHSEED": "0",  # --env over the profile
     }
 

@@ -5,9 +5,8 @@ Precedence, stated once:
      always the launcher's; asking for one of them in `--env` or a profile is an error, and a value
      the node already had is replaced with a logged note;
   2. `--env KEY=VALUE` on the command line;
-  2b. what the launching shell exported, for the libraries ranks use (FORWARDED_PREFIXES: NCCL_,
-     TORCH_, HF_, WANDB_, ...) and the network (FORWARDED_NAMES: a custom CA, proxies); nothing
-     else of the driver's environment reaches a rank;
+  2b. what the launching shell exported, as torchrun's workers inherit it, less what describes the
+     driver's own machine, session or launcher (core/shellenv.py);
   3. the env profile (`--env-profile`);
   4. what the node's Ray worker inherited (the environment `ray start` ran with);
   5. the launcher defaults (OMP_NUM_THREADS=1, TORCH_NCCL_ASYNC_ERROR_HANDLING=1, as torchrun; and
@@ -219,36 +218,6 @@ def decide_env(
     return EnvDecision(to_set=to_set, notes=tuple(notes))
 
 
-# What a torchrun user expects to reach the ranks from the shell that launches them: the variables of
-# the libraries ranks run (NCCL and torch, CUDA, Hugging Face, W&B, Accelerate, TransformerEngine,
-# Megatron, OpenMP). Nothing else of the driver's environment does, locally or on a cluster.
-FORWARDED_PREFIXES = (
-    "NCCL_", "TORCH_", "TORCHINDUCTOR_", "PYTORCH_", "CUDA_", "CUBLAS_", "CUDNN_", "NVIDIA_", "HF_",
-    "HUGGING_FACE_", "TRANSFORMERS_", "TOKENIZERS_", "DATASETS_", "WANDB_", "ACCELERATE_", "NVTE_",
-    "MEGATRON", "OMP_", "GLOO_", "FI_",
-)  # fmt: skip
-NOT_FORWARDED = frozenset({"CUDA_VISIBLE_DEVICES", "CUDA_HOME"})  # the node's own
-# How the shell reaches the network: a custom CA (HTTPS to a hub or a bucket through a corporate
-# proxy fails in ranks without it), as Python's ssl, requests, curl, boto3 (S3), gRPC and git read it,
-# and the proxies, as urllib, requests and curl read them.
-FORWARDED_NAMES = frozenset({
-    "SSL_CERT_FILE", "SSL_CERT_DIR", "REQUESTS_CA_BUNDLE", "CURL_CA_BUNDLE", "AWS_CA_BUNDLE",
-    "GRPC_DEFAULT_SSL_ROOTS_FILE_PATH", "GIT_SSL_CAINFO", "HTTP_PROXY", "HTTPS_PROXY", "NO_PROXY",
-    "ALL_PROXY", "http_proxy", "https_proxy", "no_proxy", "all_proxy",
-})  # fmt: skip
-
-
-def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The launching shell's variables that every rank gets (FORWARDED_PREFIXES, FORWARDED_NAMES)."""
-    return {
-        k: v
-        for k, v in sorted(environ.items())
-        if (k.startswith(FORWARDED_PREFIXES) or k in FORWARDED_NAMES)
-        and k not in NOT_FORWARDED
-        and k not in CONTRACT_KEYS
-    }
-
-
 # Ray starts its worker processes at niceness 15 (its `worker_niceness`, so that they yield the CPU to
 # the raylet and GCS); torchrun's workers run at the launcher's, 0, and a rank's data-loader workers
 # inherit it. The nodes megaray starts itself (a local run's, simulated ones, `megaray up`'s) are
@@ -275,13 +244,11 @@ def is_startup_var(name: str) -> bool:
     return name.startswith(STARTUP_PREFIXES) or name in STARTUP_NAMES
 
 
-def startup_env(
-    *, profile: Mapping[str, str], overrides: Mapping[str, str], forwarded: Mapping[str, str] = {}
-) -> dict[str, str]:
-    """The start-up variables among what the launch sets in every rank (`--env`, the launching
-    shell's, the profile; in that precedence): they must be in the rank process's environment when
-    it starts, as under torchrun, so the driver has Ray start the process with them."""
-    merged = {**profile, **forwarded, **overrides}
+def startup_env(*, profile: Mapping[str, str], overrides: Mapping[str, str]) -> dict[str, str]:
+    """The start-up variables among what the launch sets in every rank (`--env`, then the profile;
+    the shell's are not forwarded, core/shellenv.py): they must be in the rank process's environment
+    when it starts, as under torchrun, so the driver has Ray start the process with them."""
+    merged = {**profile, **overrides}
     return {k: merged[k] for k in sorted(merged) if is_startup_var(k)}
 
 

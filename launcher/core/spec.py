@@ -21,8 +21,9 @@ from .elastic import NodeRange, parse_nodes
 from .errors import UsageError
 from .metrics import MetricsMode
 from .progress import H100_SXM_BF16_TFLOPS
-from .rankenv import forwarded_env, parse_env_pairs
+from .rankenv import parse_env_pairs
 from .recipes import check_overrides, load_recipe
+from .shellenv import forwarded_env
 from .target import DRY_RUN_TARGET, Target, TargetKind, parse_dry_run_options
 from .topology import parse_rank_list
 
@@ -54,7 +55,7 @@ class LaunchSpec:
     master_port: int | None = None
     env_profile: str | None = None
     env: tuple[tuple[str, str], ...] = ()
-    forwarded: tuple[tuple[str, str], ...] = ()  # the launching shell's NCCL_, TORCH_, HF_, ... variables
+    forwarded: tuple[tuple[str, str], ...] = ()  # the launching shell's variables (core/shellenv.py)
     cwd: str = field(default_factory=os.getcwd)
     check_only: bool = False  # --check: validate the Megatron layout in the driver, then exit
     log_ranks: str = "0"  # ranks whose output the console shows ("all", or "0,3,8-11")

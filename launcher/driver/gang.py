@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,6 +27,7 @@ from ..core.errors import (
     UsageError,
 )
 from ..core.rankenv import EnvDecision, decide_envs, redact, startup_env
+from ..core.shellenv import startup_not_forwarded
 from ..core.spec import LaunchSpec
 from ..core.target import Target
 from ..core.topology import (
@@ -107,9 +109,7 @@ class RankGang:
         self.name, self.attempt, self.fixed_size = name, attempt, fixed_size
         self.gpu_share, self.host = gpu_share, host
         # what every rank's process must have from its start (PYTHONHASHSEED, LD_PRELOAD, ...)
-        self.start_env = startup_env(
-            profile=profile, overrides=spec.env_overrides, forwarded=dict(spec.forwarded)
-        )
+        self.start_env = startup_env(profile=profile, overrides=spec.env_overrides)
         self.placed: Placed | None = None  # where the ranks came from (driver/sources.py)
         self.groups: list = []
         self.slots: list[RankSlot] = []
@@ -220,7 +220,7 @@ class RankGang:
         self.mark("env_set")
         self.master = master
         log_topology(self.ranks, self.master)
-        log_env(self.handles, hidden=set(self.spec.env_overrides) | {k for k, _ in self.spec.forwarded})
+        log_env(self.handles, self.spec, self.profile)
         return list(envs)
 
     def _start_actors(self, probes: NodeProbes | None) -> tuple[list, list[RankReport]]:
@@ -413,12 +413,22 @@ def log_topology(ranks: tuple[RankInfo, ...], master: tuple[str, int]) -> None:
     )  # fmt: skip
 
 
-def log_env(handles: tuple[RankHandle, ...], hidden: set[str]) -> None:
+def log_env(handles: tuple[RankHandle, ...], spec: LaunchSpec, profile: Mapping[str, str]) -> None:
     """Rank 0's env, then each note about a node value that was changed, with the ranks it concerns.
-    Values given with --env or forwarded from the launching shell (`hidden`) are never printed: the
-    console ends up in job logs."""
-    first = {k: ("<not shown>" if k in hidden else v) for k, v in redact(handles[0].env.to_set).items()}
+    Values given with --env are never printed, and the shell's forwarded variables are left out (the
+    launch named them): the console ends up in job logs. A start-up variable of the shell that the
+    ranks' processes lack is told once, with how to forward it (core/shellenv.py)."""
+    shell = {k for k, _ in spec.forwarded} - set(spec.env_overrides)
+    first = {k: ("<not shown>" if k in spec.env_overrides else v)
+             for k, v in redact(handles[0].env.to_set).items() if k not in shell}  # fmt: skip
     log.info("env of rank 0: %s", " ".join(f"{k}={v}" for k, v in sorted(first.items())))
+    given = {**profile, **spec.env_overrides}
+    missed = startup_not_forwarded(os.environ, handles[0].report.inherited_env, given)
+    if missed:
+        log.info(
+            "not forwarded from this shell: %s (start-up variables, which a process must start with: "
+            "--env NAME forwards one, and starts the ranks' processes with it)", ", ".join(missed),
+        )  # fmt: skip
     notes: dict[str, list[int]] = {}
     for h in handles:
         for note in h.env.notes:

@@ -15,7 +15,8 @@ from typing import Any
 
 from ..core.errors import RankFailedError
 from ..core.profiles import load_profile
-from ..core.rankenv import check_user_env, forwarded_env
+from ..core.rankenv import check_user_env
+from ..core.shellenv import forwarded_env
 from ..core.spec import DEFAULT_PLACEMENT_TIMEOUT_S, LaunchSpec, default_job_name
 from ..core.target import GROUP_TARGET
 from .cluster import connect

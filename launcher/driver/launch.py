@@ -20,6 +20,7 @@ from ..core.policy import FailurePolicy
 from ..core.profiles import load_profile
 from ..core.progress import TrainingFacts
 from ..core.runner import TargetRunner, Verdict
+from ..core.shellenv import shown_names
 from ..core.spec import LaunchSpec
 from ..core.target import Target, check_target_locally
 from . import placement
@@ -112,8 +113,8 @@ def _run(
             run = plan.run = RunDir(spec.run_dir)
             run.write_spec(spec)
             if spec.forwarded:
-                names = ", ".join(k for k, _ in spec.forwarded)
-                log.info("every rank gets these variables of this shell (values not shown): %s", names)
+                log.info("every rank gets these variables of this shell (values not shown): %s",
+                         shown_names([k for k, _ in spec.forwarded]))  # fmt: skip
             first: list[Target] = []
 
             def first_target(gpu_gib: float | None = None, ready: tuple[Any, Any] | None = None) -> Target:

@@ -8,7 +8,7 @@ import contextlib
 import os
 from collections.abc import Iterator, Mapping
 
-from ..core.rankenv import NODE_DEFAULTS
+from ..core.rankenv import NODE_DEFAULTS, is_startup_var
 
 # What a node's `ray start` would have in its environment: the login basics and the Python it runs,
 # Ray's own settings and machine-level fixes; not the variables of whoever launched (rankenv.py
@@ -22,10 +22,16 @@ NODE_ENV_PREFIXES = ("LC_", "RAY_", "PYENV", "OPENBLAS_")
 
 
 def node_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The environment a node megaray starts runs with: what `environ` holds of NODE_ENV, over the
-    node defaults (core/rankenv.py NODE_DEFAULTS: ranks at niceness 0, a node stopped without a
-    drain; the driver's own value wins)."""
-    keep = {k: v for k, v in environ.items() if k in NODE_ENV or k.startswith(NODE_ENV_PREFIXES)}
+    """The environment a node megaray starts runs with: what `environ` holds of NODE_ENV, and its
+    start-up variables (PYTHONHASHSEED, PYTHONUNBUFFERED, MALLOC_*: what a `ray start` from this shell
+    would have, so that its ranks start with them as torchrun's do, core/shellenv.py), over the node
+    defaults (core/rankenv.py NODE_DEFAULTS: ranks at niceness 0, a node stopped without a drain; the
+    driver's own value wins)."""
+    keep = {
+        k: v
+        for k, v in environ.items()
+        if k in NODE_ENV or k.startswith(NODE_ENV_PREFIXES) or is_startup_var(k)
+    }
     return {**NODE_DEFAULTS, **keep}
 
 

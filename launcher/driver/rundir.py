@@ -32,9 +32,10 @@ def _jsonable(obj: Any) -> Any:
 
 
 def spec_record(spec: Any) -> dict[str, Any]:
-    """The launch spec as JSON, with `--env` secrets redacted."""
+    """The launch spec as JSON, with the secrets of `--env` and of the shell's variables redacted."""
     record = _jsonable(spec)
     record["env"] = redact(dict(spec.env))
+    record["forwarded"] = redact(dict(spec.forwarded))  # the launching shell's: secrets among them
     record["world_size"] = spec.world_size
     return record
 
