@@ -37,6 +37,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from launcher.core.outbatch import Source
+
 FILLER = b"x" * 71 + b"\n"  # a typical log line's length
 DRAIN_EVERY_S = 0.25  # driver/supervise.py POLL_S
 GATHER_S = 0.03  # rank/capture.py PUMP_GATHER_S
@@ -129,7 +131,7 @@ async def rank_sender(forwarder, rank: int, rate: float, stop: asyncio.Event, st
         made = due
         head = f"t={time.time():.3f} r{rank}\n".encode() if stamp else FILLER
         data = head + FILLER * (n - 1)
-        await forwarder.write(rank, data, offset)
+        await forwarder.write(Source(rank), data, offset)
         offset += len(data)
         sent += n
     written[rank] = sent
@@ -190,7 +192,7 @@ def simulate(ranks: int, per_node: int, rate: float, seconds: float, rpc_ms: flo
         time.sleep(DRAIN_EVERY_S)
         lines, _records, _writes = pipe.call("drain")
         now = time.time()
-        for line in lines:
+        for _, line in lines:
             console_lines += 1
             if "] t=" in line:
                 lags.append(now - float(line.split("] t=", 1)[1].split()[0]))

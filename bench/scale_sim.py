@@ -78,9 +78,9 @@ def main() -> int:
     lags: list[float] = []
     shown = progress_view.ProgressView.print_lines
 
-    def print_lines(self, lines: list[str]) -> None:
+    def print_lines(self, lines: list[tuple[int, str]]) -> None:
         now = time.time()
-        for line in lines:
+        for _, line in lines:
             if "] t=" in line and list(states)[-1:] == ["running"]:  # not the last lines, after a stop
                 lags.append(now - float(line.split("] t=", 1)[1].split()[0]))
                 if os.environ.get("SCALE_SIM_LAGS"):

@@ -706,6 +706,7 @@ class SimRank:
 
     async def _program(self) -> None:
         from launcher.core.errors import FailureKind
+        from launcher.core.outbatch import Source
         from launcher.core.outcome import RankOutcome
 
         t0, made, offset = time.monotonic(), 0, 0
@@ -723,7 +724,7 @@ class SimRank:
                 data = b"".join(f"{stamp if i == made else ''}step {i} of rank {self.rank}\n".encode()
                                 for i in range(made, due))  # fmt: skip
                 made = due
-                await self.forwarder.write(self.rank, data, offset)
+                await self.forwarder.write(Source(self.rank), data, offset)
                 offset += len(data)
         stop_wait.cancel()
         if fails == "die":

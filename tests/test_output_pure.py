@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.core.outbatch import Held, OutputBatch, batch_bytes, merged, send_every
+from launcher.core.outbatch import STDERR, STDOUT, Held, OutputBatch, Source, batch_bytes, merged, send_every
 from launcher.core.progress import TrainingFacts, parse_megatron_line
 from launcher.core.rankenv import decide_env, redact
 from launcher.core.straggler import WaitSample
@@ -37,22 +37,25 @@ def test_bad_rank_lists_say_why(text):
 
 def test_the_sink_prefixes_lines_keeps_partial_ones_and_picks_console_ranks(tmp_path):
     sink = OutputSink(str(tmp_path), node_of_rank=[0, 0, 1, 1], console=frozenset({0}))
-    sent: dict[int, int] = {}
+    sent: dict[Source, int] = {}
 
-    def write(rank: int, text: str) -> None:
-        data = text.encode()
-        sink.write(rank, data, sent.get(rank, 0))
-        sent[rank] = sent.get(rank, 0) + len(data)
+    def write(rank: int, text: str, stream: int = STDOUT) -> None:
+        data, source = text.encode(), Source(rank, stream)
+        sink.write(source, data, sent.get(source, 0))
+        sent[source] = sent.get(source, 0) + len(data)
 
     write(2, "first line\nhalf a ")
     write(0, "rank zero\n")
+    write(0, "a warning, half", STDERR)  # each stream's partial line is its own
+    write(0, " of it\n", STDERR)
     write(2, "line\n" + BRIDGE_LINE + "\n")
     write(3, "no newline at the end")
     console, progress, writes = sink.drain()
-    assert writes == 4
-    assert console == ["[r0 n0] rank zero"]
+    assert writes == 6
+    # each line with its stream: a rank's stderr goes to the launcher's stderr (#45 item 2)
+    assert console == [(STDOUT, "[r0 n0] rank zero"), (STDERR, "[r0 n0] a warning, half of it")]
     assert [(p["rank"], p["iteration"], p["total"], p["loss"]) for p in progress] == [(2, 40, 100, 1.331)]
-    assert sink.drain() == ([], [], 4)
+    assert sink.drain() == ([], [], 6)
     sink.finish()
     assert (tmp_path / "rank-2.log").read_text().splitlines()[:2] == [
         "[r2 n1] first line",
@@ -67,13 +70,17 @@ def test_the_sink_writes_what_the_rank_and_a_salvage_both_sent_once(tmp_path):
     on its way: bytes arrive by offset, overlapping, repeated, or with a gap (a long spool's end)."""
     sink = OutputSink(str(tmp_path), node_of_rank=[0], console=frozenset({0}))
     spool = "step 1\nstep 2\nlast w\u00f6rds before os._exit\n".encode()
-    sink.write(0, spool[:10], 0)
-    sink.write(0, spool[4:], 4)  # the salvage, from an older offset
-    sink.write(0, spool[10:20], 10)  # the rank's own message, arriving late
-    assert sink.received_bytes(0) == len(spool)
+    out, err = Source(0, STDOUT), Source(0, STDERR)
+    sink.write(out, spool[:10], 0)
+    sink.write(out, spool[4:], 4)  # the salvage, from an older offset
+    sink.write(out, spool[10:20], 10)  # the rank's own message, arriving late
+    assert sink.received_bytes(out) == len(spool) and sink.received_of([out, err]) == [len(spool), 0]
     assert sink.tail(0) == ["step 1", "step 2", "last w\u00f6rds before os._exit"]
-    sink.write(0, b"end\n", len(spool) + 100)
-    assert sink.tail(0)[-2:] == ["[megaray: 100 bytes of this rank's output were not received]", "end"]
+    sink.write(err, b"Traceback (most recent call last):\n  File", 0)  # the stderr spool: its own offsets
+    assert sink.tail(0)[-2:] == ["Traceback (most recent call last):", "  File"]
+    sink.write(out, b"end\n", len(spool) + 100)
+    gap = "[megaray: 100 bytes of this rank's output were not received]"
+    assert sink.tail(0)[-3:] == [gap, "end", "  File"]  # a stream's unterminated line comes last
     sink.finish()
     assert (tmp_path / "rank-0.log").read_text().count("step 2") == 1
 
@@ -210,32 +217,34 @@ def test_a_nodes_batch_puts_the_console_first_and_gives_every_rank_its_turn():
     output, then the other ranks' in turns up to the budget; what is left comes next, in order."""
     held = Held(console=frozenset({5}))
     for rank in (1, 2, 3, 5):
-        held.add(rank, b"x" * 100, 0)
-        held.add(rank, b"y" * 100, 100)
+        held.add(Source(rank), b"x" * 100, 0)
+        held.add(Source(rank), b"y" * 100, 100)
     held.reports.append((1, {"iteration": 3}))
     held.samples.append(WaitSample(2, 0.0, 10, 7))
     first = held.take(budget=250)
-    assert [(r, s) for r, s, _ in first.chunks] == [(5, 0), (5, 100), (1, 0), (1, 100), (2, 0)]
+    assert [(r, s) for (r, _), s, _ in first.chunks] == [(5, 0), (5, 100), (1, 0), (1, 100), (2, 0)]
     assert first.reports == ((1, {"iteration": 3}),) and first.samples == (WaitSample(2, 0.0, 10, 7),)
     assert first.writes == 8 and held.bytes == 300
     second = held.take(budget=250)  # rank 2's turn goes on where it stopped, then rank 3
-    assert [(r, s) for r, s, _ in second.chunks] == [(2, 100), (3, 0), (3, 100)]
+    assert [(r, s) for (r, _), s, _ in second.chunks] == [(2, 100), (3, 0), (3, 100)]
     assert not held and held.bytes == 0 and second.writes == 0 and not held.take(250)
-    held.add(1, b"z" * 10_000, 200)  # one chunk beyond the budget still goes: nothing is stuck
-    assert len(held.take(budget=100).chunks) == 1
+    held.add(Source(5, STDERR), b"!\n", 0)  # a console rank's stderr goes first too
+    held.add(Source(1), b"z" * 10_000, 200)  # one chunk beyond the budget still goes: nothing is stuck
+    assert [c[0] for c in held.take(budget=100).chunks] == [Source(5, STDERR), Source(1)]
 
 
 def test_a_batch_joins_a_ranks_adjacent_chunks_and_the_sink_counts_the_ranks_writes(tmp_path):
-    assert merged([(0, 0, b"ab"), (0, 2, b"c\n"), (1, 0, b"d\n"), (0, 9, b"e")]) == [
-        (0, 0, b"abc\n"), (1, 0, b"d\n"), (0, 9, b"e")
+    r0, r0err, r1 = Source(0), Source(0, STDERR), Source(1)
+    assert merged([(r0, 0, b"ab"), (r0, 2, b"c\n"), (r0err, 0, b"!\n"), (r1, 0, b"d\n"), (r0, 9, b"e")]) == [
+        (r0, 0, b"abc\n"), (r0err, 0, b"!\n"), (r1, 0, b"d\n"), (r0, 9, b"e")
     ]  # fmt: skip
     sink = OutputSink(str(tmp_path), node_of_rank=[0, 0], console=frozenset({0, 1}))
-    sink.take(OutputBatch(((0, 0, b"one\n"), (0, 4, b"two\n"), (1, 0, b"three\n")), ((1, {"iteration": 1}),),
-                          (WaitSample(0, 0.0, 5, 2),), writes=3))  # fmt: skip
+    chunks = ((r0, 0, b"one\n"), (r0, 4, b"two\n"), (r1, 0, b"three\n"))
+    sink.take(OutputBatch(chunks, ((1, {"iteration": 1}),), (WaitSample(0, 0.0, 5, 2),), writes=3))
     console, progress, writes = sink.drain()
-    assert console == ["[r0 n0] one", "[r0 n0] two", "[r1 n0] three"] and writes == 4
+    assert [ln for _, ln in console] == ["[r0 n0] one", "[r0 n0] two", "[r1 n0] three"] and writes == 4
     assert [p["rank"] for p in progress] == [1, 0] and progress[1]["sample"].at > 0
-    assert sink.received_of([0, 1, 2]) == [8, 6, 0]
+    assert sink.received_of([r0, r1, Source(2)]) == [8, 6, 0]
 
 
 def test_batches_scale_with_the_nodes():
@@ -276,20 +285,20 @@ def test_a_forwarders_flush_waits_for_what_it_held_not_for_what_keeps_coming():
         async def chatty() -> None:
             offset = 0
             while printing:
-                await forwarder.write(1, b"more\n", offset)
+                await forwarder.write(Source(1), b"more\n", offset)
                 offset += 5
                 await asyncio.sleep(0.005)
 
         other = asyncio.create_task(chatty())
         await asyncio.sleep(0.1)
-        await forwarder.write(0, b"last words\n", 0)
+        await forwarder.write(Source(0), b"last words\n", 0)
         await asyncio.wait_for(forwarder.flush(), timeout=5)  # returns: the other rank still prints
         printing = False
         await other
         await forwarder.close()
-        return [c for b in sink.batches for c in b.chunks if c[0] == 0]
+        return [c for b in sink.batches for c in b.chunks if c[0].rank == 0]
 
-    assert asyncio.run(main()) == [(0, 0, b"last words\n")]
+    assert asyncio.run(main()) == [(Source(0), 0, b"last words\n")]
 
 
 def test_ray_s_crash_handler_lines_stay_off_the_console_and_in_the_rank_log(tmp_path):
@@ -306,7 +315,7 @@ def test_ray_s_crash_handler_lines_stay_off_the_console_and_in_the_rank_log(tmp_
         "[2026-11-26 19:56:02,123 E 6334 6334] logging.cc:474: *** SIGSEGV received at time=1764180000 ***",
         "Extension modules: numpy.core._multiarray_umath, torch._C (total: 2)",
     ]
-    sink.write(0, ("\n".join(dump) + "\n").encode(), 0)
+    sink.write(Source(0, STDERR), ("\n".join(dump) + "\n").encode(), 0)
     console, _, _ = sink.finish()
-    assert console == ["[r0 n0] " + ln for ln in dump[:3]]
+    assert console == [(STDERR, "[r0 n0] " + ln) for ln in dump[:3]]
     assert (tmp_path / "rank-0.log").read_text() == "".join(f"[r0 n0] {ln}\n" for ln in dump)

@@ -213,19 +213,23 @@ def test_a_recorded_error_is_reported_as_torchrun_reports_it(tmp_path):
 
 
 CLOSES_OUTPUT = """
-import os
+import os, sys
 print("rank", os.environ["RANK"], "closes its output", flush=True)
+print("rank", os.environ["RANK"], "says so on stderr", file=sys.stderr, flush=True)
 os.close(1)
 os.close(2)
 """
 
 
 def test_a_program_that_closes_its_stdout_and_stderr_ends_as_under_torchrun(tmp_path):
-    """Exit 0 under torchrun; the rank's own flush at the end raised EBADF and failed the job."""
+    """Exit 0 under torchrun; the rank's own flush at the end raised EBADF and failed the job. What
+    the rank wrote to stderr is on the launcher's stderr, its stdout on stdout, under both (#45)."""
     torchrun, done = under_both(tmp_path, "closes_output.py", CLOSES_OUTPUT)
     assert torchrun.returncode == 0, torchrun.stderr[-3000:]
     assert done.returncode == 0 and "all 2 ranks finished" in done.stderr, done.stderr[-3000:]
-    assert "rank 0 closes its output" in done.stdout
+    for launcher in (torchrun, done):
+        assert "rank 0 closes its output" in launcher.stdout and "closes its output" not in launcher.stderr
+        assert "rank 0 says so on stderr" in launcher.stderr and "on stderr" not in launcher.stdout
 
 
 READS_STDIN = """

@@ -10,9 +10,26 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .straggler import Sample
+
+STDOUT, STDERR = 1, 2  # a rank's streams, by their file descriptors
+
+
+class Source(NamedTuple):
+    """One of a rank's two output streams: each is spooled apart (rank/capture.py), so that the
+    console puts a rank's stderr on the launcher's stderr, as torchrun does, and its stdout on stdout."""
+
+    rank: int
+    stream: int = STDOUT
+
+    @property
+    def is_err(self) -> bool:
+        return self.stream == STDERR
+
+
+FIRST = Source(0)
 
 MIN_BATCH_BYTES = 64 << 10
 MAX_BATCH_BYTES = 4 << 20
@@ -23,11 +40,11 @@ MIN_EVERY_S = 0.05  # how long a burst is gathered into one batch on a small job
 
 @dataclass(frozen=True)
 class OutputBatch:
-    """Rank output by offset in each rank's spool, progress reports, and straggler samples
+    """Rank output by offset in each of a rank's spools, progress reports, and straggler samples
     (core/straggler.py);
     `writes` counts the ranks' own writes in it: the activity hang detection watches."""
 
-    chunks: tuple[tuple[int, int, bytes], ...] = ()  # (rank, start, data)
+    chunks: tuple[tuple[Source, int, bytes], ...] = ()  # (source, start, data)
     reports: tuple[tuple[int, dict[str, Any]], ...] = ()
     samples: tuple[Sample, ...] = ()
     writes: int = 0
@@ -48,48 +65,48 @@ def send_every(nodes: int) -> float:
 
 @dataclass
 class Held:
-    """What a node's forwarder holds for the sink, by rank, in the order it came."""
+    """What a node's forwarder holds for the sink, by rank's stream, in the order it came."""
 
-    console: frozenset[int] = frozenset()
-    chunks: dict[int, list[tuple[int, bytes]]] = field(default_factory=dict)
+    console: frozenset[int] = frozenset()  # ranks
+    chunks: dict[Source, list[tuple[int, bytes]]] = field(default_factory=dict)
     reports: list[tuple[int, dict[str, Any]]] = field(default_factory=list)
     samples: list[Sample] = field(default_factory=list)
     bytes: int = 0
     writes: int = 0
-    turn: int = 0  # where the last batch's ranks left off, so that each rank gets its turn
+    turn: Source = FIRST  # where the last batch's ranks left off, so that each rank gets its turn
 
-    def add(self, rank: int, data: bytes, start: int) -> None:
-        self.chunks.setdefault(rank, []).append((start, data))
+    def add(self, source: Source, data: bytes, start: int) -> None:
+        self.chunks.setdefault(source, []).append((start, data))
         self.bytes += len(data)
         self.writes += 1
 
     def for_console(self) -> bool:
         """Whether a console rank's lines or a progress report wait: the console shows them."""
-        return bool(self.reports) or any(r in self.console for r in self.chunks)
+        return bool(self.reports) or any(s.rank in self.console for s in self.chunks)
 
     def take(self, budget: int) -> OutputBatch:
         """Every report and wait sample, the console ranks' output, then the other ranks' in turns
         until `budget` bytes of theirs (at least one chunk): what is left goes in the next batch."""
-        others = sorted(r for r in self.chunks if r not in self.console)
-        k = next((i for i, r in enumerate(others) if r >= self.turn), 0)
-        order = [*sorted(r for r in self.chunks if r in self.console), *others[k:], *others[:k]]
-        taken: list[tuple[int, int, bytes]] = []
+        others = sorted(s for s in self.chunks if s.rank not in self.console)
+        k = next((i for i, s in enumerate(others) if s >= self.turn), 0)
+        order = [*sorted(s for s in self.chunks if s.rank in self.console), *others[k:], *others[:k]]
+        taken: list[tuple[Source, int, bytes]] = []
         size = others_size = 0
-        for rank in order:
-            queue = self.chunks[rank]
-            console = rank in self.console
+        for source in order:
+            queue = self.chunks[source]
+            console = source.rank in self.console
             while queue and (console or others_size < budget or not taken):
                 start, data = queue.pop(0)
-                taken.append((rank, start, data))
+                taken.append((source, start, data))
                 size += len(data)
                 others_size += 0 if console else len(data)
             if not queue:
-                del self.chunks[rank]
-            elif rank not in self.console:
-                self.turn = rank
+                del self.chunks[source]
+            elif not console:
+                self.turn = source
                 break
         else:
-            self.turn = 0
+            self.turn = FIRST
         batch = OutputBatch(tuple(taken), tuple(self.reports), tuple(self.samples), self.writes)
         self.bytes -= size
         self.reports, self.samples, self.writes = [], [], 0
@@ -99,12 +116,12 @@ class Held:
         return bool(self.chunks or self.reports or self.samples)
 
 
-def merged(chunks: Iterable[tuple[int, int, bytes]]) -> list[tuple[int, int, bytes]]:
-    """Adjacent chunks of one rank joined (one write to its file instead of many)."""
-    out: list[tuple[int, int, bytes]] = []
-    for rank, start, data in chunks:
-        if out and out[-1][0] == rank and out[-1][1] + len(out[-1][2]) == start:
-            out[-1] = (rank, out[-1][1], out[-1][2] + data)
+def merged(chunks: Iterable[tuple[Source, int, bytes]]) -> list[tuple[Source, int, bytes]]:
+    """Adjacent chunks of one rank's stream joined (one write to its file instead of many)."""
+    out: list[tuple[Source, int, bytes]] = []
+    for source, start, data in chunks:
+        if out and out[-1][0] == source and out[-1][1] + len(out[-1][2]) == start:
+            out[-1] = (source, out[-1][1], out[-1][2] + data)
         else:
-            out.append((rank, start, data))
+            out.append((source, start, data))
     return out

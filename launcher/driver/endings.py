@@ -19,8 +19,9 @@ import ray
 
 from ..core.deaths import ProcessEnd, death_cause, describe_death, ray_teardown_crash, readable_tail
 from ..core.errors import FailureKind, RankFailedError, RankFailure
+from ..core.outbatch import Source
 from ..core.topology import RankReport, RankSlot, format_rank_ranges
-from ..rank.spool import exit_and_ship, exit_mark, exited_cleanly, ship, spool_name
+from ..rank.spool import exit_and_ship, exit_mark, exited_cleanly, ship, spool_files, spool_name
 from .actors import first_line, on_node, wait_all
 from .handle import RankHandle, failure_site
 from .liveness import NodeProbes
@@ -38,8 +39,8 @@ def spool_path(report: RankReport, job: str, rank: int) -> str | None:
     return os.path.join(report.log_dir, spool_name(job, rank, report.pid)) if report.log_dir else None
 
 
-def _spools(handles: list[RankHandle] | tuple[RankHandle, ...]) -> list[tuple[int, str]]:
-    return [(h.slot.rank, h.spool) for h in handles if h.spool]
+def _spools(handles: list[RankHandle] | tuple[RankHandle, ...]) -> list[tuple[Source, str]]:
+    return [f for h in handles if h.spool for f in spool_files(h.slot.rank, h.spool)]
 
 
 def _tail(sink: Any, rank: int) -> list[str]:
@@ -68,7 +69,7 @@ def crash_on_exit(
     )  # fmt: skip
 
 
-def _ship(node: str, sink: Any, spools: list[tuple[int, str]]) -> Any:
+def _ship(node: str, sink: Any, spools: list[tuple[Source, str]]) -> Any:
     """Ship `spools` (rank/spool.py `ship`) from their node: a task there, or, on the driver's own
     node, a thread of the driver (a task would first wait for Ray to start a worker process, about a
     second on a small machine, on the way to every failure report and to the exit after Ctrl-C).
@@ -278,7 +279,7 @@ class RankWatch:
         sink = self.sink
         if sink is None or not handle.spool:
             return None
-        return _ship(handle.report.node_id, sink, [(handle.slot.rank, handle.spool)])
+        return _ship(handle.report.node_id, sink, _spools([handle]))
 
     def inspect_hang(self, idle_s: float) -> list[RankFailure]:
         """Every rank's state and stack, read by a task on its node; one failure per rank."""

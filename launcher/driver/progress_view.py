@@ -8,11 +8,13 @@ of any program.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import sys
 import time
 from typing import Any
 
+from ..core.outbatch import STDERR
 from ..core.outcome import LaunchObserver, LaunchState
 from ..core.progress import TrainingFacts, tflops_per_gpu
 
@@ -138,18 +140,21 @@ class ProgressView(LaunchObserver):
         self.bar.n = s["iteration"]
         self.bar.set_description_str(self.describe(), refresh=True)
 
-    def print_lines(self, lines: list[str]) -> None:
-        """Rank output, above the bar when there is one."""
+    def print_lines(self, lines: list[tuple[int, str]]) -> None:
+        """Rank output, each line on the stream it was written to (a rank's stderr on stderr, as
+        torchrun has it), above the bar when there is one."""
         if not lines:
             return
         if self.bar is not None:
             from tqdm import tqdm
 
-            for ln in lines:
-                tqdm.write(ln, file=sys.stdout)
-        else:
-            sys.stdout.write("".join(ln + "\n" for ln in lines))
-            sys.stdout.flush()
+            for stream, ln in lines:
+                tqdm.write(ln, file=sys.stderr if stream == STDERR else sys.stdout)
+            return
+        for is_err, run in itertools.groupby(lines, key=lambda x: x[0] == STDERR):
+            out = sys.stderr if is_err else sys.stdout
+            out.write("".join(ln + "\n" for _, ln in run))
+            out.flush()
 
     def close(self) -> None:
         if self.bar is not None:

@@ -1,7 +1,8 @@
 """Rank output on the driver's side: a sink actor on the driver's node collects every rank's lines
 (sent in batches by each node's forwarder, rank/forwarder.py), writes `rank-<r>.log` into the run
-directory with `[r<rank> n<node>]` prefixes, and holds the console lines and progress records until
-the driver drains them; the relay starts the forwarders, shows what arrives, times the activity that
+directory with `[r<rank> n<node>]` prefixes, and holds the console lines (each with the stream it
+came from: a rank's stderr goes to the launcher's stderr) and progress records until the driver
+drains them; the relay starts the forwarders, shows what arrives, times the activity that
 hang detection watches, stops the ranks through the forwarders, and makes the final drain.
 """
 
@@ -21,7 +22,7 @@ import ray
 
 from ..core.deaths import ray_crash_line
 from ..core.metrics import RankLabels
-from ..core.outbatch import OutputBatch, merged
+from ..core.outbatch import OutputBatch, Source, merged
 from ..core.progress import parse_checkpoint_line, parse_megatron_line
 from ..core.spec import RAY_NAMESPACE
 from ..core.straggler import Sample
@@ -57,11 +58,11 @@ class OutputSink:
         self.files: RankFiles | None = None
         if run_dir is not None:
             self.configure(run_dir, node_of_rank or [], console)
-        self.partial: dict[int, str] = {}
-        self.received: dict[int, int] = {}  # bytes of each rank's spool written here
-        self.decoders: dict[int, Any] = {}
+        self.partial: dict[Source, str] = {}  # each stream's unterminated last line
+        self.received: dict[Source, int] = {}  # bytes of each stream's spool written here
+        self.decoders: dict[Source, Any] = {}
         self.last: dict[int, deque[str]] = {}  # each rank's last lines, for a failure report
-        self.console: list[str] = []
+        self.console: list[tuple[int, str]] = []  # (stream, line)
         self.progress: list[dict[str, Any]] = []
         self.writes = 0  # any rank's activity, for the driver's hang detection
 
@@ -73,28 +74,29 @@ class OutputSink:
         self.console_ranks = console
         self.files = RankFiles(self.dir, len(node_of_rank), first=sorted(console))
 
-    def write(self, rank: int, data: bytes, start: int) -> None:
-        """Bytes `start`.. of a rank's spool, from the rank's thread or, after the process ended, from
-        a task on its node (rank/spool.py): what both sent is written once."""
+    def write(self, source: Source, data: bytes, start: int) -> None:
+        """Bytes `start`.. of one of a rank's spools, from the rank's thread or, after the process
+        ended, from a task on its node (rank/spool.py): what both sent is written once."""
         self.writes += 1
-        have, end = self.received.get(rank, 0), start + len(data)
+        have, end = self.received.get(source, 0), start + len(data)
         if end <= have:
             return
-        self.received[rank] = end
+        self.received[source] = end
         if start > have:  # a salvage sends the end of a long spool only
             gap = f"[megaray: {start - have} bytes of this rank's output were not received]\n"
             data = gap.encode() + data
         else:
             data = data[have - start :]
-        decoder = self.decoders.setdefault(rank, codecs.getincrementaldecoder("utf-8")(errors="replace"))
-        lines = (self.partial.pop(rank, "") + decoder.decode(data)).split("\n")
+        decoder = self.decoders.setdefault(source, codecs.getincrementaldecoder("utf-8")(errors="replace"))
+        lines = (self.partial.pop(source, "") + decoder.decode(data)).split("\n")
         if lines[-1]:
-            self.partial[rank] = lines[-1]
-        self._lines(rank, lines[:-1])
+            self.partial[source] = lines[-1]
+        self._lines(source, lines[:-1])
 
-    def _lines(self, rank: int, lines: list[str]) -> None:
+    def _lines(self, source: Source, lines: list[str]) -> None:
         if not lines:
             return
+        rank = source.rank
         tag = prefix(rank, self.node_of_rank[rank])
         self.files.write(rank, "".join(tag + ln + "\n" for ln in lines))
         self.last.setdefault(rank, deque(maxlen=LAST_LINES)).extend(lines)
@@ -105,13 +107,13 @@ class OutputSink:
             elif (saved := parse_checkpoint_line(ln)) is not None:
                 self.progress.append({"rank": rank, "checkpoint": saved})
         if rank in self.console_ranks:
-            self.console.extend(tag + ln for ln in lines if not ray_crash_line(ln))
+            self.console.extend((source.stream, tag + ln) for ln in lines if not ray_crash_line(ln))
 
     def take(self, batch: OutputBatch) -> None:
         """A node's batch (rank/forwarder.py): output, progress, wait samples."""
         before = self.writes
-        for rank, start, data in merged(batch.chunks):
-            self.write(rank, data, start)
+        for source, start, data in merged(batch.chunks):
+            self.write(source, data, start)
         for rank, record in batch.reports:
             self.report(rank, record)
         for sample in batch.samples:
@@ -121,16 +123,16 @@ class OutputSink:
     def flush(self) -> None:
         """Nothing held here: a rank writing to the sink itself (a test) syncs as with a forwarder."""
 
-    def received_bytes(self, rank: int) -> int:
-        return self.received.get(rank, 0)
+    def received_bytes(self, source: Source) -> int:
+        return self.received.get(source, 0)
 
-    def received_of(self, ranks: list[int]) -> list[int]:
-        """`received_bytes` of several ranks in one call (a node's ship, rank/spool.py)."""
-        return [self.received.get(rank, 0) for rank in ranks]
+    def received_of(self, sources: list[Source]) -> list[int]:
+        """`received_bytes` of several spools in one call (a node's ship, rank/spool.py)."""
+        return [self.received.get(s, 0) for s in sources]
 
     def tail(self, rank: int) -> list[str]:
-        """A rank's last lines, the unterminated one included."""
-        rest = [self.partial[rank]] if self.partial.get(rank) else []
+        """A rank's last lines, the unterminated ones included."""
+        rest = [text for source, text in sorted(self.partial.items()) if source.rank == rank and text]
         return [*self.last.get(rank, ()), *rest][-LAST_LINES:]
 
     def report(self, rank: int, record: dict[str, Any]) -> None:
@@ -143,16 +145,17 @@ class OutputSink:
         rank waits in its collective and keeps sending looks at it."""
         self.progress.append({"rank": sample.rank, "sample": replace(sample, at=time.time())})
 
-    def drain(self) -> tuple[list[str], list[dict[str, Any]], int]:
-        """Console lines and progress since the last call, and the count of writes so far."""
+    def drain(self) -> tuple[list[tuple[int, str]], list[dict[str, Any]], int]:
+        """Console lines (with their streams) and progress since the last call, and the count of
+        writes so far."""
         out = (self.console, self.progress, self.writes)
         self.console, self.progress = [], []
         return out
 
-    def finish(self) -> tuple[list[str], list[dict[str, Any]], int]:
+    def finish(self) -> tuple[list[tuple[int, str]], list[dict[str, Any]], int]:
         """Flush unterminated last lines and close the files; what is left for the console."""
-        for rank, rest in sorted(self.partial.items()):
-            self._lines(rank, [rest])
+        for source, rest in sorted(self.partial.items()):
+            self._lines(source, [rest])
         self.partial.clear()
         if self.files is not None:
             self.files.close()
@@ -288,7 +291,7 @@ class OutputRelay:
         if self.drain_ref is None:
             self.pump(wait_s, again=False)
 
-    def _show(self, lines: list[str], records: list[dict[str, Any]], writes: int) -> None:
+    def _show(self, lines: list[tuple[int, str]], records: list[dict[str, Any]], writes: int) -> None:
         if writes != self.writes_seen:
             self.writes_seen, self.last_activity = writes, time.monotonic()
         self.progress.print_lines(lines)

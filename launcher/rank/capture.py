@@ -2,10 +2,11 @@
 
 Ray's own log streaming prints every rank's lines with a long prefix and keeps them on the node
 that produced them. Here each rank's stdout and stderr (the file descriptors, so NCCL's and other C
-libraries' output too) go to a spool file on the node (rank/spool.py), and a thread sends what
-arrives there to its node's forwarder (rank/forwarder.py), which batches the node's ranks for the
-sink on the driver's node; `report()` sends progress the same way. No shared filesystem is needed,
-and what a dying process wrote last stays in the spool for the driver.
+libraries' output too) go to two spool files on the node (rank/spool.py), one each, so that the
+console puts them where torchrun would; a thread sends what arrives there to its node's forwarder
+(rank/forwarder.py), which batches the node's ranks for the sink on the driver's node; `report()`
+sends progress the same way. No shared filesystem is needed, and what a dying process wrote last
+stays in the spools for the driver.
 """
 
 from __future__ import annotations
@@ -21,7 +22,9 @@ from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
+from ..core.outbatch import STDERR, STDOUT, Source
 from ..core.reports import clean_report
+from .spool import err_spool
 
 _current: Capture | None = None
 _said: set[str] = set()  # the fields report() said it left out, each said once per process
@@ -35,24 +38,25 @@ def current_sink() -> Any:
 
 
 class Capture:
-    """In a rank: file descriptors 1 and 2 go to the spool; a thread sends what arrives to `sink`: the
-    node's forwarder (or, in a test, the driver's sink itself: both take the same calls)."""
+    """In a rank: file descriptors 1 and 2 go to their spools; a thread sends what arrives to `sink`:
+    the node's forwarder (or, in a test, the driver's sink itself: both take the same calls)."""
 
     def __init__(self, sink: Any, rank: int, spool: str):
         global _current
         _current = self
         self.sink, self.rank = sink, rank
-        self.last_ref = None
-        self.sent = 0  # bytes of the spool sent to the sink
+        self.last_refs: dict[int, Any] = {}  # each stream's last write
+        self.sent = {STDOUT: 0, STDERR: 0}  # bytes of each spool sent to the sink
         self.stopped = False  # the process is exiting: no more Ray calls (`stop_sending`)
         self._sending = threading.Lock()
         sys.stdout.flush()
         sys.stderr.flush()
-        write_fd = os.open(spool, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o600)
-        os.dup2(write_fd, 1)
-        os.dup2(write_fd, 2)
-        os.close(write_fd)
-        self.read_fd = os.open(spool, os.O_RDONLY)
+        self.read_fds = {}
+        for fd, path in ((STDOUT, spool), (STDERR, err_spool(spool))):
+            write_fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_TRUNC, 0o600)
+            os.dup2(write_fd, fd)
+            os.close(write_fd)
+            self.read_fds[fd] = os.open(path, os.O_RDONLY)
         # Python's own streams must not hold lines back: a rank that dies loses what is buffered.
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(AttributeError, ValueError):
@@ -90,28 +94,34 @@ class Capture:
         self.control.join(timeout=max(0.0, deadline - time.monotonic()))
 
     def _pump(self) -> None:
-        """Send what the spool gets to the sink, one write in flight at a time: a sink slower than the
-        ranks (thousands of them, or a flood of output) slows the sending, not the program, and what
-        waits stays in the spool on disk, not in memory; the next write carries all of it (up to
-        1 MiB). It waits on a Python future, never inside a Ray call: a thread in Ray's C++ wait
-        while the process exits would keep the exit from finishing."""
-        sent: Future | None = None  # the last write's completion
+        """Send what the spools get to the sink, one write per stream in flight at a time: a sink
+        slower than the ranks (thousands of them, or a flood of output) slows the sending, not the
+        program, and what waits stays in the spools on disk, not in memory; the next write carries
+        all of it (up to 1 MiB). It waits on Python futures, never inside a Ray call: a thread in
+        Ray's C++ wait while the process exits would keep the exit from finishing."""
+        sent: list[Future] = []  # the last writes' completions
         while True:
-            if sent is not None:
-                wait_futures([sent])
-            data = os.read(self.read_fd, 1 << 20)
-            if not data:
+            if sent:
+                wait_futures(sent)
+            got = {fd: os.read(r, 1 << 20) for fd, r in self.read_fds.items()}
+            if not any(got.values()):
                 time.sleep(PUMP_IDLE_S)
                 continue
             # A moment's wait gathers a burst of lines into one message to the sink.
             time.sleep(PUMP_GATHER_S)
-            data += os.read(self.read_fd, (1 << 20) - len(data)) if len(data) < 1 << 20 else b""
+            for fd, data in got.items():
+                if data and len(data) < 1 << 20:
+                    got[fd] = data + os.read(self.read_fds[fd], (1 << 20) - len(data))
             with self._sending:
                 if self.stopped:  # what was read stays in the spool: the exit watch ships it
                     return
-                self.last_ref = self.sink.write.remote(self.rank, data, self.sent)
-                sent = self.last_ref.future()
-                self.sent += len(data)
+                sent = []
+                for fd, data in got.items():  # stdout first: a traceback follows what was printed
+                    if data:
+                        ref = self.sink.write.remote(Source(self.rank, fd), data, self.sent[fd])
+                        self.last_refs[fd] = ref
+                        sent.append(ref.future())
+                        self.sent[fd] += len(data)
 
     def stop_sending(self, timeout_s: float = 5.0) -> None:
         """Before the process exits: Ray shuts its worker down before Python's exit handlers run, and
@@ -120,10 +130,10 @@ class Capture:
         which the driver's exit watch ships (rank/spool.py exit_and_ship)."""
         with self._sending:
             self.stopped = True
-            last = self.last_ref
-        if last is not None:
+            last = list(self.last_refs.values())
+        if last:
             with contextlib.suppress(Exception):
-                wait_futures([last.future()], timeout=timeout_s)
+                wait_futures([ref.future() for ref in last], timeout=timeout_s)
 
     def sync(self, timeout_s: float = 10.0) -> None:
         """Return once everything written so far has reached the driver's sink (before the rank
@@ -132,11 +142,13 @@ class Capture:
 
         flush_streams()
         deadline = time.monotonic() + timeout_s
-        # the spool's size through our own descriptor: a program may have closed 1 and 2
-        while time.monotonic() < deadline and self.sent < os.fstat(self.read_fd).st_size:
+        # the spools' sizes through our own descriptors: a program may have closed 1 and 2
+        while time.monotonic() < deadline and any(
+            self.sent[fd] < os.fstat(r).st_size for fd, r in self.read_fds.items()
+        ):
             time.sleep(0.01)
-        if self.last_ref is not None:
-            ray.wait([self.last_ref], timeout=max(0.0, deadline - time.monotonic()))
+        if last := list(self.last_refs.values()):
+            ray.wait(last, num_returns=len(last), timeout=max(0.0, deadline - time.monotonic()))
             with contextlib.suppress(Exception):
                 ray.wait([self.sink.flush.remote()], timeout=max(0.0, deadline - time.monotonic()))
 

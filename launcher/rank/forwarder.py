@@ -21,7 +21,7 @@ import ray
 
 from ..core.deaths import ProcessEnd
 from ..core.metrics import KEEP_EVERY_S, RankLabels
-from ..core.outbatch import MIN_EVERY_S, Held, batch_bytes, send_every
+from ..core.outbatch import MIN_EVERY_S, Held, Source, batch_bytes, send_every
 from ..core.straggler import Sample
 from .metrics import RankMetrics
 
@@ -62,15 +62,15 @@ class NodeForwarder:
         if urgent:
             self._urgent.set()
 
-    async def write(self, rank: int, data: bytes, start: int) -> None:
-        """Bytes `start`.. of a rank's spool; returns once there is room for them (the rank's one
-        write in flight: rank/capture.py)."""
+    async def write(self, source: Source, data: bytes, start: int) -> None:
+        """Bytes `start`.. of one of a rank's spools; returns once there is room for them (the
+        stream's one write in flight: rank/capture.py)."""
         while self.held.bytes >= MAX_HELD_BYTES and not self.failed:
             self._room.clear()
             await self._room.wait()
-        self.held.add(rank, data, start)
+        self.held.add(source, data, start)
         self.added += 1
-        self._wake_sender(urgent=rank in self.held.console)
+        self._wake_sender(urgent=source.rank in self.held.console)
 
     async def relabel(self, labels: RankLabels) -> None:
         """The ranks' coordinates (TP, PP, DP), once the preflight knows the layout: before the

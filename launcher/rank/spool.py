@@ -1,4 +1,4 @@
-"""A rank's output spool: the file on its node that its stdout and stderr are written to.
+"""A rank's output spools: the files on its node that its stdout and its stderr are written to.
 
 The rank's own thread sends what the file receives on, to the launch's sink (rank/capture.py), but a
 process that dies abruptly (`os._exit`, a segfault, SIGKILL) takes that thread with it, and with a
@@ -14,6 +14,8 @@ import contextlib
 import os
 import tempfile
 from typing import Any, NoReturn
+
+from ..core.outbatch import STDERR, STDOUT, Source
 
 MAX_SALVAGE_BYTES = 4 << 20  # what a dead rank's spool can add at most: its end, not a lost gigabyte
 
@@ -31,7 +33,17 @@ def log_dir() -> str:
 
 
 def spool_name(job: str, rank: int, pid: int) -> str:
+    """The stdout spool's; its stderr's is `err_spool` of it."""
     return f"megaray-{job}-rank{rank}-{pid}.out"
+
+
+def err_spool(spool: str) -> str:
+    return spool.removesuffix(".out") + ".err"
+
+
+def spool_files(rank: int, spool: str) -> list[tuple[Source, str]]:
+    """A rank's two spools, by the stream each holds."""
+    return [(Source(rank, STDOUT), spool), (Source(rank, STDERR), err_spool(spool))]
 
 
 def exit_mark(spool: str) -> str:
@@ -88,21 +100,21 @@ def read_from(path: str, start: int) -> tuple[int, bytes]:
         return start, b""
 
 
-def ship(sink: Any, spools: list[tuple[int, str]], delete: bool) -> dict[str, Any]:
-    """On a node: send the sink what each rank's spool holds beyond what the sink received; delete
-    the spools when their processes have ended. Returns the bytes shipped by rank and the node's OOM
-    kill count."""
+def ship(sink: Any, spools: list[tuple[Source, str]], delete: bool) -> dict[str, Any]:
+    """On a node: send the sink what each of the ranks' spools (`spool_files`) holds beyond what the
+    sink received; delete the spools when their processes have ended. Returns the bytes shipped by
+    rank and the node's OOM kill count."""
     import ray
 
     from ..core.outbatch import OutputBatch
 
-    received = ray.get(sink.received_of.remote([rank for rank, _ in spools]))
+    received = ray.get(sink.received_of.remote([source for source, _ in spools]))
     chunks, shipped = [], {}
-    for (rank, path), start in zip(spools, received, strict=True):
+    for (source, path), start in zip(spools, received, strict=True):
         begin, data = read_from(path, start)
-        shipped[rank] = len(data)
+        shipped[source.rank] = shipped.get(source.rank, 0) + len(data)
         if data:
-            chunks.append((rank, begin, data))
+            chunks.append((source, begin, data))
         if delete:
             with contextlib.suppress(OSError):
                 os.unlink(path)
@@ -112,7 +124,7 @@ def ship(sink: Any, spools: list[tuple[int, str]], delete: bool) -> dict[str, An
 
 
 def exit_and_ship(
-    pids: list[int], grace_s: float, sink: Any, spools: list[tuple[int, str]], marks: list[str | None]
+    pids: list[int], grace_s: float, sink: Any, spools: list[tuple[Source, str]], marks: list[str | None]
 ) -> list[tuple[float | None, bool, int | None]]:
     """On a node, after the program returned: watch the processes end (probes.wait_exited), then
     ship what they printed on the way out (atexit handlers, non-daemon threads). For each process:
