@@ -5,7 +5,11 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
+import os
 import re
+import shutil
+import subprocess
+import sys
 
 import pytest
 
@@ -97,3 +101,39 @@ def test_local_ranks_get_the_shells_variables_but_not_its_sessions(tmp_path):
     (run,) = (d for d in tmp_path.iterdir() if d.is_dir())
     assert "hunter2" not in (run / "spec.json").read_text() + (run / "env.json").read_text()
     assert "hunter2" not in p.stdout + p.stderr
+
+
+FLOOD = """
+import os, sys
+rank = os.environ["RANK"]
+for i in range(20000):
+    print(f"rank {rank} line {i:05d} " + "x" * 40)
+print(f"rank {rank} is done", file=sys.stderr)
+"""
+
+
+def test_a_full_disk_under_the_run_directory_is_said_and_fails_nothing(tmp_path):
+    """#46 item 1: with the run directory on a full filesystem (a 1 MiB tmpfs, mounted in a mount
+    namespace of the launch's own), the rank logs lost lines without a word and the good job exited 1
+    with a traceback from writing summary.json. The console keeps every line, the loss is said, and
+    the training's outcome stands."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("a small filesystem needs root and util-linux's unshare")
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    script = tmp_path / "flood.py"
+    script.write_text(FLOOD)
+    shell = f'mount -t tmpfs -o size=1m none "{runs}" && exec "$@"'
+    cmd = [sys.executable, str(drive.REPO / "main.py"), "--device", "cpu", "--gpus-per-node", "2",
+           "--log-ranks", "all", "--runs-dir", str(runs), str(script)]  # fmt: skip
+    p = subprocess.run(["unshare", "--mount", "sh", "-c", shell, "sh", *cmd], cwd=tmp_path,
+                       env=drive.user_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 0, p.stderr[-3000:]
+    for rank in (0, 1):  # nothing lost on the console, each stream on its own
+        assert len(re.findall(rf"^\[r{rank} n0\] rank {rank} line \d+ x+$", p.stdout, flags=re.M)) == 20000
+        assert f"[r{rank} n0] rank {rank} is done" in p.stderr
+    assert "Traceback" not in p.stderr and "all 2 ranks finished" in p.stderr, p.stderr[-3000:]
+    said = p.stderr.splitlines()
+    assert sum("cannot be written (No space left on device)" in ln for ln in said) == 1, p.stderr[-3000:]
+    assert any(re.search(r"megaray: \d+ bytes of rank output were not written \(rank-\d\.log \d+", ln)
+               for ln in said), p.stderr[-3000:]  # fmt: skip

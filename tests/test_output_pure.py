@@ -319,3 +319,29 @@ def test_ray_s_crash_handler_lines_stay_off_the_console_and_in_the_rank_log(tmp_
     console, _, _ = sink.finish()
     assert console == [(STDERR, "[r0 n0] " + ln) for ln in dump[:3]]
     assert (tmp_path / "rank-0.log").read_text() == "".join(f"[r0 n0] {ln}\n" for ln in dump)
+
+
+def test_a_run_directory_deleted_mid_run_is_said_and_the_run_goes_on(tmp_path, caplog):
+    """#46 item 10: a run directory deleted while the job ran ended the launch in a FileNotFoundError
+    traceback. Each file that cannot be written is said; the rank logs count what they lost."""
+    import logging
+    import shutil
+
+    from launcher.driver.rankfiles import RankFiles
+    from launcher.driver.rundir import RunDir
+
+    run = RunDir(tmp_path / "job")
+    files = RankFiles(run.path, 2)
+    files.creator.join()
+    shutil.rmtree(run.path)
+    with caplog.at_level(logging.WARNING, logger="megaray"):
+        run.write_summary(status="succeeded", exit_code=0)
+    assert "summary.json could not be written in the run directory" in caplog.text
+    files.close()  # the files made ahead are gone with the folder: opened anew, which fails
+    assert files.write(0, "a\n") == "No such file or directory" and files.write(1, "bc\n") is None
+    assert files.lost_summary() == "5 bytes of rank output were not written (rank-1.log 3, rank-0.log 2)"
+    run.path.mkdir()  # writing resumes: the file says what it missed first
+    assert files.write(0, "d\n") is None
+    assert (run.path / "rank-0.log").read_text() == (
+        "[megaray: 2 bytes of this rank's output could not be written here (No such file or directory)]\nd\n"
+    )

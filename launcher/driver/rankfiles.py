@@ -30,6 +30,9 @@ class RankFiles:
         self.folder = folder
         self.open_max = fd_budget(ranks)
         self.fds: OrderedDict[int, int] = OrderedDict()  # written to, the least recently first
+        self.lost: dict[int, int] = {}  # bytes of each rank's output that could not be written
+        self.pending: dict[int, int] = {}  # of those, since the rank's last write that succeeded
+        self.failed: str | None = None  # why the first write that failed did
         self.made: dict[int, int] = {}  # opened ahead by the thread, not yet written to
         self.closed = threading.Event()  # the thread stops opening files
         order = [*first, *range(ranks)]
@@ -56,7 +59,31 @@ class RankFiles:
                 else:
                     os.close(fd)
 
-    def write(self, rank: int, text: str) -> None:
+    def write(self, rank: int, text: str) -> str | None:
+        """Append `text` to rank's file. A write that fails (a full disk, the run directory deleted)
+        never stops the output, which the console still shows: what could not be written is counted
+        (`lost`), marked in the file where writing resumes, and the first failure is returned, once,
+        for the sink to say."""
+        data = text.encode()
+        size = len(data)  # the output's own bytes: a gap's mark is not counted as lost
+        try:
+            fd = self._fd(rank)
+            if rank in self.pending:
+                data = self._gap(rank).encode() + data
+            while data:
+                data = data[os.write(fd, data) :]
+        except OSError as e:
+            lost = min(size, len(data))
+            self.lost[rank] = self.lost.get(rank, 0) + lost
+            self.pending[rank] = self.pending.get(rank, 0) + lost
+            if self.failed is None:
+                self.failed = e.strerror or str(e)
+                return self.failed
+            return None
+        self.pending.pop(rank, None)
+        return None
+
+    def _fd(self, rank: int) -> int:
         fd = self.fds.pop(rank, None)
         if fd is None:
             fd = self.made.pop(rank, None)
@@ -65,9 +92,20 @@ class RankFiles:
                 os.close(self.fds.popitem(last=False)[1])
             fd = os.open(self.path(rank), FLAGS, 0o600)
         self.fds[rank] = fd
-        data = text.encode()
-        while data:
-            data = data[os.write(fd, data) :]
+        return fd
+
+    def _gap(self, rank: int) -> str:
+        lost = self.pending[rank]
+        return f"[megaray: {lost} bytes of this rank's output could not be written here ({self.failed})]\n"
+
+    def lost_summary(self) -> str | None:
+        """What the files are missing, for the console's last word on them."""
+        if not self.lost:
+            return None
+        worst = sorted(self.lost, key=lambda r: -self.lost[r])[:8]
+        each = ", ".join(f"rank-{r}.log {self.lost[r]}" for r in worst)
+        more = f" and {len(self.lost) - len(worst)} more" if len(self.lost) > len(worst) else ""
+        return f"{sum(self.lost.values())} bytes of rank output were not written ({each}{more})"
 
     def close(self) -> None:
         self.closed.set()

@@ -22,7 +22,7 @@ import ray
 
 from ..core.deaths import ray_crash_line
 from ..core.metrics import RankLabels
-from ..core.outbatch import OutputBatch, Source, merged
+from ..core.outbatch import STDERR, OutputBatch, Source, merged
 from ..core.progress import parse_checkpoint_line, parse_megatron_line
 from ..core.spec import RAY_NAMESPACE
 from ..core.straggler import Sample
@@ -98,7 +98,10 @@ class OutputSink:
             return
         rank = source.rank
         tag = prefix(rank, self.node_of_rank[rank])
-        self.files.write(rank, "".join(tag + ln + "\n" for ln in lines))
+        failed = self.files.write(rank, "".join(tag + ln + "\n" for ln in lines))
+        if failed is not None:  # said once: the console goes on, the files are counted short
+            said = f"the rank logs in {self.dir} cannot be written ({failed}): the console goes on"
+            self.console.append((STDERR, f"megaray: {said}; what is lost is counted at the end"))
         self.last.setdefault(rank, deque(maxlen=LAST_LINES)).extend(lines)
         for ln in lines:
             record = parse_megatron_line(ln)
@@ -159,6 +162,8 @@ class OutputSink:
         self.partial.clear()
         if self.files is not None:
             self.files.close()
+            if lost := self.files.lost_summary():
+                self.console.append((STDERR, f"megaray: {lost} in {self.dir}: {self.files.failed}"))
         return self.drain()
 
 

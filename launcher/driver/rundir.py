@@ -7,16 +7,20 @@ written or printed.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
+import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from ..core.errors import UsageError
 from ..core.rankenv import redact
+
+log = logging.getLogger("megaray")
 
 
 def _jsonable(obj: Any) -> Any:
@@ -84,19 +88,30 @@ class RunDir:
         self.started = time.time()
 
     def write_json(self, name: str, data: Any) -> None:
+        text = json.dumps(_jsonable(data), indent=2) + "\n"
+        self._write(name, lambda tmp: tmp.write_text(text))
+
+    def _write(self, name: str, write: Callable[[Path], Any]) -> None:
+        """`write(path)` into a private temporary file, then renamed to `name`. A write that fails (a
+        full disk, the run directory deleted or read-only) is said, and the run goes on: the files
+        record the run, whose outcome is the training's, as under torchrun, which writes none."""
         tmp = self.path / f".{name}.tmp"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w") as f:
-            f.write(json.dumps(_jsonable(data), indent=2) + "\n")
-        tmp.replace(self.path / name)
+        try:
+            os.close(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600))
+            write(tmp)
+            tmp.replace(self.path / name)
+        except OSError as e:
+            log.warning("%s could not be written in the run directory %s (%s): the run goes on without it",
+                        name, self.path, e.strerror or e)  # fmt: skip
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
     def write_spec(self, spec: Any) -> None:
         self.write_json("spec.json", spec_record(spec))
 
     def write_config(self, text: str) -> None:
         """The resolved Megatron-Bridge config, as bridge itself writes it (megatron/preflight.py)."""
-        (self.path / "config.yaml").write_text(text)
-        os.chmod(self.path / "config.yaml", 0o600)
+        self._write("config.yaml", lambda tmp: tmp.write_text(text))
 
     def write_topology(
         self, master: tuple[str, int], ranks: list[dict[str, Any]], nodes: dict[str, Any] | None = None

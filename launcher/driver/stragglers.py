@@ -36,6 +36,7 @@ class StragglerWatch:
         it none is computed."""
         self.on_scores = on_scores
         self.path = run_dir / "stragglers.json"
+        self.unwritable = False  # said once that the file could not be written
         self.where = where
         self.clock = clock
         # three sends of each rank at least (they send less often in a large job)
@@ -68,4 +69,9 @@ class StragglerWatch:
             log.info("rank %d on %s is no longer slow (since %s)", s.rank, self.where[s.rank], _clock(now))
             next(r for r in reversed(self.found) if r["rank"] == s.rank)["until"] = now
         if any(change.named or change.recovered for change in changes):
-            self.path.write_text(json.dumps(self.found, indent=1) + "\n")
+            try:
+                self.path.write_text(json.dumps(self.found, indent=1) + "\n")
+            except OSError as e:  # a full disk, the run directory gone: the run goes on (driver/rundir.py)
+                if not self.unwritable:
+                    self.unwritable = True
+                    log.warning("%s could not be written (%s)", self.path, e.strerror or e)
