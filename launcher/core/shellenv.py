@@ -81,7 +81,7 @@ def startup_not_forwarded(
     )
 
 
-SHOWN_NAMES = 24  # a launch names this many of the forwarded variables; spec.json holds every one
+SHOWN_NAMES = 10  # a launch names this many of the forwarded variables; spec.json holds every one
 
 
 def shown_names(names: list[str]) -> str:

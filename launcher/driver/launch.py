@@ -113,8 +113,8 @@ def _run(
             run = plan.run = RunDir(spec.run_dir)
             run.write_spec(spec)
             if spec.forwarded:
-                log.info("every rank gets these variables of this shell (values not shown): %s",
-                         shown_names([k for k, _ in spec.forwarded]))  # fmt: skip
+                log.info("every rank gets %d variables of this shell (values not shown): %s",
+                         len(spec.forwarded), shown_names([k for k, _ in spec.forwarded]))  # fmt: skip
             first: list[Target] = []
 
             def first_target(gpu_gib: float | None = None, ready: tuple[Any, Any] | None = None) -> Target:
