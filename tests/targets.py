@@ -70,6 +70,20 @@ def fail_on_rank_1():
     time.sleep(60)
 
 
+def fail_together():
+    """Every rank raises at about the same moment (a file barrier first), but the word of ranks 1.. comes
+    late: each printed a burst first, which the rank sends the driver before its result (the pace of
+    a loaded machine, or of a long traceback)."""
+    out, world = _out("barrier").parent, int(os.environ["WORLD_SIZE"])
+    (out / f"ready-{os.environ['RANK']}").touch()
+    while len(list(out.glob("ready-*"))) < world:
+        time.sleep(0.005)
+    if os.environ["RANK"] != "0":
+        sys.stdout.write("".join(f"burst line {i} " + "x" * 60 + "\n" for i in range(20000)))
+        sys.stdout.flush()
+    raise ValueError("bad batch")
+
+
 def exit_3_on_rank_0():
     if os.environ["RANK"] == "0":
         sys.exit(3)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import threading
@@ -163,6 +164,20 @@ def test_a_rank_that_raises_fails_the_job_naming_it(capsys):
     assert "ValueError: rank one refuses on purpose" in err
     assert 'targets.py", line' in err  # the rank's own traceback
     assert leftovers("raises") == ([], [])
+
+
+def test_ranks_failing_together_are_all_listed(out, tmp_path, capsys):
+    """#45 item 5: four ranks raising at the same moment reach the driver at their own pace, some
+    after the first failure's window: the report named 2 of 4 now and then. Every rank that failed
+    before the stop began is listed, the root cause first, as torchrun lists every failed worker."""
+    args = ("--device", "cpu", "--gpus-per-node", "4", "--runs-dir", str(tmp_path), "--entrypoint",
+            "tests.targets:fail_together")  # fmt: skip
+    assert launch("together", *args, out=out) == 1
+    err = capsys.readouterr().err
+    assert "Root cause (first failure):" in err and "what      : ValueError: bad batch" in err
+    failed = json.loads((tmp_path / "together" / "summary.json").read_text())["failures"]
+    assert sorted(f["rank"] for f in failed) == [0, 1, 2, 3], failed
+    assert re.search(r"ranks [\d,-]+ \(3\) on \S+: ValueError: bad batch", err), err[-3000:]
 
 
 def test_sys_exit_code_is_reported(capsys):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -241,9 +242,15 @@ class Attempt:
         """Ranks still running (a peer failed, a hang, Ctrl-C) get SIGTERM and --kill-grace to end on
         it, as torchrun's do; then every actor is killed and the groups removed (unless handed over)."""
         if not self.succeeded and self.refs and self.relay is not None:
+            began = time.time()
             self.relay.stop_ranks()
             frozen = self.failure.beyond_signals() if self.failure is not None else set()
             self.gang.wait_stopped(self.refs, self.spec.kill_grace_s, frozen)
+            if self.failure is not None:  # every rank that failed before the stop is listed (#45)
+                listed = {f.rank for f in self.failure.failures}
+                late = [f for f in self.gang.failed_before(self.refs, began) if f.rank not in listed]
+                if late:
+                    self.failure.amend([*self.failure.failures, *late])
         self.gang.teardown(keep_groups=self.handed_over)
         self.lost_nodes |= self.gang.lost_nodes
         if not self.succeeded and self.relay is not None and self.relay.sink is not None:

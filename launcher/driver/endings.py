@@ -4,6 +4,7 @@ the processes by pid or their output spools (rank/spool.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import os
@@ -52,6 +53,14 @@ def _tail(sink: Any, rank: int) -> list[str]:
 
 def _mark(h: RankHandle) -> str | None:
     return exit_mark(h.spool) if h.spool else None
+
+
+def _program_failure(h: RankHandle, out: Any) -> RankFailure:
+    """The failure a rank's program returned (core/outcome.RankOutcome: it raised or exited non-zero)."""
+    return RankFailure(
+        **failure_site(h), kind=out.kind, summary=out.summary, traceback=out.traceback,
+        exit_code=out.exit_code, at=out.at, error_file=out.error_file,
+    )  # fmt: skip
 
 
 def crash_on_exit(
@@ -237,10 +246,21 @@ class RankWatch:
         if out.ok:
             self.lingering[rank] = list(out.lingering)
             return True, out.value
-        return False, RankFailure(
-            **where, kind=out.kind, summary=out.summary, traceback=out.traceback, exit_code=out.exit_code,
-            at=out.at, error_file=out.error_file,
-        )  # fmt: skip
+        return False, _program_failure(h, out)
+
+    def failed_before(self, refs: list, began: float) -> list[RankFailure]:
+        """The ranks whose program failed (raised, or exited non-zero) before `began`, the wall-clock
+        time their stop began, among `refs` that are done: their word came after the first failure's
+        window (4 ranks raising at once reach the driver over a second), and torchrun lists every
+        failed worker. What the stop ended, and a process that died, are not looked at here."""
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        rank_of, found = {ref: r for r, ref in enumerate(refs)}, []
+        for ref in done:
+            with contextlib.suppress(ray.exceptions.RayError):
+                out = ray.get(ref, timeout=0)
+                if not out.ok and out.at and out.at < began:
+                    found.append(_program_failure(self.handles[rank_of[ref]], out))
+        return found
 
     def _node_gone(self, h: RankHandle) -> bool:
         """Whether a dead rank's node is lost (asked once per node: Ray says so only after its health

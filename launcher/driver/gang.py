@@ -287,6 +287,10 @@ class RankGang:
     def lost_nodes(self) -> set[str]:
         return {node for node, gone in self.watch.lost.items() if gone}
 
+    def failed_before(self, refs: list, began: float) -> list[RankFailure]:
+        """Ranks whose program failed before their stop began (endings.py)."""
+        return self.watch.failed_before(refs, began)
+
     def collect_output(self, error: RankFailedError | None) -> None:
         """After a failed or stopped attempt: what the ranks printed last (endings.py)."""
         self.watch.last_words(error)

@@ -271,7 +271,9 @@ class RankActor:
         finally:
             flush_streams()
             if self.capture is not None:
+                self.capture.returning = True  # a stop from here on leaves the result to come back
                 self.capture.sync()  # the driver has every line of this rank before its result
+                self.capture.returning = False
 
 
 def _restore(signum: int, handler: Any) -> None:

@@ -48,6 +48,7 @@ class Capture:
         self.last_refs: dict[int, Any] = {}  # each stream's last write
         self.sent = {STDOUT: 0, STDERR: 0}  # bytes of each spool sent to the sink
         self.stopped = False  # the process is exiting: no more Ray calls (`stop_sending`)
+        self.returning = False  # the program's call has ended: a stop now has nothing to end
         self._sending = threading.Lock()
         sys.stdout.flush()
         sys.stderr.flush()
@@ -77,6 +78,8 @@ class Capture:
             self.control_ref = self.sink.wait_stop.remote()
             ray.get(self.control_ref)
         except Exception:  # cancelled (the program returned), or the sink is gone with the driver
+            return
+        if self.returning:  # its failure is on its way to the driver, which lists it (#45): not killed
             return
         os.kill(os.getpid(), signal.SIGTERM)
 
