@@ -386,6 +386,8 @@ def test_a_rank_that_dies_abruptly_keeps_its_last_output_and_names_the_signal(tm
     assert log.count("[r1 n0] last words before dying") == 1 and "[r1 n0] step 0" in log
     if how == "segv":
         assert "Fatal Python error: Segmentation fault" in log and "SIGSEGV received" in log
+        # faulthandler's frames of Ray's worker loop: in the log, not on the console (#45 item 6)
+        assert "ray/_private/worker.py" in log and "ray/_private/worker.py" not in err, err[-3000:]
     assert leftovers("deathprobe") == ([], [])
 
 

@@ -302,23 +302,28 @@ def test_a_forwarders_flush_waits_for_what_it_held_not_for_what_keeps_coming():
 
 
 def test_ray_s_crash_handler_lines_stay_off_the_console_and_in_the_rank_log(tmp_path):
-    """#45 item 6: a crashing rank's console lines are the program's (faulthandler's stack included),
-    not Ray's failure handler's signal line, raw addresses and logging.cc lines."""
+    """#45 item 6: a crashing rank's console lines are the program's (faulthandler's stack, its own
+    frames), not Ray's failure handler's signal line, raw addresses and logging.cc lines, nor the
+    frames of Ray's worker loop and megaray's rank code; a Python traceback's frames stay."""
     sink = OutputSink(str(tmp_path), node_of_rank=[0], console=frozenset({0}))
     dump = [
         "last words",
         "Fatal Python error: Segmentation fault",
         '  File "/tmp/die.py", line 8 in <module>',
+        '  File "/v/lib/python3.12/site-packages/launcher/rank/programs.py", line 41 in run_script',
+        '  File "/v/lib/python3.12/site-packages/ray/_private/worker.py", line 946 in main_loop',
+        '  File "<frozen runpy>", line 88 in _run_code',
         "*** SIGSEGV received at time=1764180000 on cpu 1 ***",
         "PC: @     0x7f3a2b4c5d6e  (unknown)  string_at",
         "    @     0x7f3a2b4c5d6f        208  absl::WriteFailureInfo()",
         "[2026-11-26 19:56:02,123 E 6334 6334] logging.cc:474: *** SIGSEGV received at time=1764180000 ***",
         "Extension modules: numpy.core._multiarray_umath, torch._C (total: 2)",
     ]
-    sink.write(Source(0, STDERR), ("\n".join(dump) + "\n").encode(), 0)
+    python = '  File "/v/lib/python3.12/site-packages/ray/util/x.py", line 3, in f'  # a traceback's
+    sink.write(Source(0, STDERR), ("\n".join([*dump, python]) + "\n").encode(), 0)
     console, _, _ = sink.finish()
-    assert console == [(STDERR, "[r0 n0] " + ln) for ln in dump[:3]]
-    assert (tmp_path / "rank-0.log").read_text() == "".join(f"[r0 n0] {ln}\n" for ln in dump)
+    assert console == [(STDERR, "[r0 n0] " + ln) for ln in [*dump[:3], python]]
+    assert (tmp_path / "rank-0.log").read_text() == "".join(f"[r0 n0] {ln}\n" for ln in [*dump, python])
 
 
 def test_a_run_directory_deleted_mid_run_is_said_and_the_run_goes_on(tmp_path, caplog):

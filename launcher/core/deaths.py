@@ -157,13 +157,17 @@ def ray_teardown_crash(last_output: list[str] | tuple[str, ...]) -> bool:
 # same signal, again, with raw addresses) and the list of extension modules; in the failure report,
 # stack frames of the launcher, Ray and runpy below the program's own too.
 _RAY_CRASH = r"\] logging\.cc:\d+: |^PC: @|^\s+@\s+0x|^\*\*\* SIG[A-Z]+ received|^Extension modules: "
-_CRASH_DUMP = re.compile(_RAY_CRASH)
+# faulthandler's frames (`File "...", line N in f`, no comma: not a Python traceback's) of Ray's worker
+# loop and megaray's rank code, below the program's own
+_RAY_FRAMES = r'|^\s+File "(<frozen runpy>|[^"]*/(ray|launcher/rank)/[^"]*)", line \d+ in '
+_CRASH_DUMP = re.compile(_RAY_CRASH + _RAY_FRAMES)
 _NOISE = re.compile(_RAY_CRASH + r'|^\s+File "(<frozen runpy>|[^"]*/(ray|launcher/rank)/[^"]*)", line')
 
 
 def ray_crash_line(line: str) -> bool:
-    """A line Ray's failure handler adds to a crashing rank's output (or the extension-module list):
-    kept in the rank's log, off the console, where torchrun's users see the program's own lines."""
+    """A line Ray's failure handler adds to a crashing rank's output (or the extension-module list, or
+    a frame of Ray's or megaray's in faulthandler's stack): kept in the rank's log, off the console,
+    where torchrun's users see the program's own lines."""
     return _CRASH_DUMP.search(line) is not None
 
 
