@@ -350,3 +350,17 @@ def test_a_run_directory_deleted_mid_run_is_said_and_the_run_goes_on(tmp_path, c
     assert (run.path / "rank-0.log").read_text() == (
         "[megaray: 2 bytes of this rank's output could not be written here (No such file or directory)]\nd\n"
     )
+
+
+def test_bytes_that_are_not_utf8_reach_the_rank_log_as_written(tmp_path):
+    """#46 item 11: invalid UTF-8 was replaced in the rank's log too, the original bytes lost; the
+    console and the report show U+FFFD for them."""
+    sink = OutputSink(str(tmp_path), node_of_rank=[0], console=frozenset({0}))
+    out = Source(0)
+    sink.write(out, b"ok \xff\xfe end\n\xe2\x82", 0)  # then half a euro sign: the rest comes next
+    sink.write(out, b"\xac and \xc3", 12)
+    assert sink.tail(0) == ["ok \ufffd\ufffd end", "\u20ac and "]  # \xc3 may start a character
+    console, _, _ = sink.finish()
+    assert [ln for _, ln in console] == ["[r0 n0] ok \ufffd\ufffd end", "[r0 n0] \u20ac and \ufffd"]
+    written = b"[r0 n0] ok \xff\xfe end\n[r0 n0] \xe2\x82\xac and \xc3\n"
+    assert (tmp_path / "rank-0.log").read_bytes() == written

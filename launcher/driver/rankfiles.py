@@ -64,7 +64,7 @@ class RankFiles:
         never stops the output, which the console still shows: what could not be written is counted
         (`lost`), marked in the file where writing resumes, and the first failure is returned, once,
         for the sink to say."""
-        data = text.encode()
+        data = text.encode(errors="surrogateescape")  # the rank's bytes that were not UTF-8, as written
         size = len(data)  # the output's own bytes: a gap's mark is not counted as lost
         try:
             fd = self._fd(rank)

@@ -87,7 +87,11 @@ class OutputSink:
             data = gap.encode() + data
         else:
             data = data[have - start :]
-        decoder = self.decoders.setdefault(source, codecs.getincrementaldecoder("utf-8")(errors="replace"))
+        # bytes that are not UTF-8 reach the rank's log as they were written (surrogateescape), and
+        # the console and the report as U+FFFD
+        decoder = self.decoders.setdefault(
+            source, codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
+        )
         lines = (self.partial.pop(source, "") + decoder.decode(data)).split("\n")
         if lines[-1]:
             self.partial[source] = lines[-1]
@@ -98,7 +102,13 @@ class OutputSink:
             return
         rank = source.rank
         tag = prefix(rank, self.node_of_rank[rank])
-        failed = self.files.write(rank, "".join(tag + ln + "\n" for ln in lines))
+        text = "".join(tag + ln + "\n" for ln in lines)
+        failed = self.files.write(rank, text)
+        if not text.isascii():
+            try:
+                text.encode()
+            except UnicodeEncodeError:  # bytes that were not UTF-8: the log has them, the rest U+FFFD
+                lines = [ln.encode(errors="surrogateescape").decode(errors="replace") for ln in lines]
         if failed is not None:  # said once: the console goes on, the files are counted short
             said = f"the rank logs in {self.dir} cannot be written ({failed}): the console goes on"
             self.console.append((STDERR, f"megaray: {said}; what is lost is counted at the end"))
@@ -135,7 +145,11 @@ class OutputSink:
 
     def tail(self, rank: int) -> list[str]:
         """A rank's last lines, the unterminated ones included."""
-        rest = [text for source, text in sorted(self.partial.items()) if source.rank == rank and text]
+        rest = [
+            text.encode(errors="surrogateescape").decode(errors="replace")
+            for source, text in sorted(self.partial.items())
+            if source.rank == rank and text
+        ]
         return [*self.last.get(rank, ()), *rest][-LAST_LINES:]
 
     def report(self, rank: int, record: dict[str, Any]) -> None:
@@ -157,6 +171,9 @@ class OutputSink:
 
     def finish(self) -> tuple[list[tuple[int, str]], list[dict[str, Any]], int]:
         """Flush unterminated last lines and close the files; what is left for the console."""
+        for source, decoder in self.decoders.items():  # a last character's bytes cut short
+            if end := decoder.decode(b"", final=True):
+                self.partial[source] = self.partial.get(source, "") + end
         for source, rest in sorted(self.partial.items()):
             self._lines(source, [rest])
         self.partial.clear()
