@@ -75,7 +75,9 @@ def test_nothing_is_decided_until_every_rank_has_sent_enough_looks():
 
 def test_the_watch_says_the_rank_and_node_and_writes_stragglers_json(tmp_path, caplog):
     now = [0.0]
-    watch = StragglerWatch(tmp_path, ["10.0.0.1 (a)", "10.0.0.2 (b)"], clock=lambda: now[0])
+    watch = StragglerWatch(
+        tmp_path, ["10.0.0.1 (a)", "10.0.0.2 (b)"], clock=lambda: now[0], wall_offset=lambda: 0.0
+    )
     with caplog.at_level(logging.INFO, logger="megaray"):
         for step in range(1, 6):
             now[0] = step * EVERY
@@ -157,7 +159,12 @@ def test_a_forward_step_straggler_that_catches_up_recovers_and_the_threshold_is_
 
 def test_the_watch_takes_both_kinds_of_sample_and_keeps_the_step_figures(tmp_path):
     now = [0.0]
-    watch = StragglerWatch(tmp_path, ["10.0.0.1 (a)", "10.0.0.1 (a)", "10.0.0.2 (b)"], clock=lambda: now[0])
+    watch = StragglerWatch(
+        tmp_path,
+        ["10.0.0.1 (a)", "10.0.0.1 (a)", "10.0.0.2 (b)"],
+        clock=lambda: now[0],
+        wall_offset=lambda: 0.0,
+    )
     for step in range(1, 8):
         now[0] = step * EVERY
         for rank, s in ((0, 0.05), (1, 0.05), (2, 0.2)):

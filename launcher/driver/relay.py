@@ -158,9 +158,10 @@ class OutputSink:
         self.progress.append({**record, "rank": rank})
 
     def sample(self, sample: Sample) -> None:
-        """A rank's straggler sample (core/straggler.py), stamped with this clock; not activity: a hung
-        rank waits in its collective and keeps sending looks at it."""
-        self.progress.append({"rank": sample.rank, "sample": replace(sample, at=time.time())})
+        """A rank's straggler sample (core/straggler.py), stamped with this machine's monotonic clock
+        (the driver's: the sink runs on its node); not activity: a hung rank waits in its collective
+        and keeps sending looks at it."""
+        self.progress.append({"rank": sample.rank, "sample": replace(sample, at=time.monotonic())})
 
     def drain(self) -> tuple[list[tuple[int, str]], list[dict[str, Any]], int]:
         """Console lines (with their streams) and progress since the last call, and the count of

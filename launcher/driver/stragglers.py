@@ -29,16 +29,19 @@ class StragglerWatch:
     """Feeds the detectors and says what they decide; `where[rank]` names the rank's node."""
 
     def __init__(
-        self, run_dir: Path, where: list[str], clock: Callable[[], float] = time.time,
+        self, run_dir: Path, where: list[str], clock: Callable[[], float] = time.monotonic,
         on_scores: Callable[[dict[int, float]], None] | None = None,
+        wall_offset: Callable[[], float] = lambda: time.time() - time.monotonic(),
     ):  # fmt: skip
         """`on_scores` is given every rank's straggler score at each look (the job's metrics); without
-        it none is computed."""
+        it none is computed. The samples' times and `clock` are monotonic (the sink stamps them so,
+        driver/relay.py), so a step of the wall clock never pauses or rushes a window; what is said
+        and written is wall time (`wall_offset` added)."""
         self.on_scores = on_scores
         self.path = run_dir / "stragglers.json"
         self.unwritable = False  # said once that the file could not be written
         self.where = where
-        self.clock = clock
+        self.clock, self.wall_offset = clock, wall_offset
         # three sends of each rank at least (they send less often in a large job)
         self.window_s = max(WINDOW_S, 3 * send_every(len(where)))
         self.detectors: dict[type, StragglerDetector] = {}  # made for the kinds of sample that arrive
@@ -62,12 +65,14 @@ class StragglerWatch:
             self.on_scores({r: v for change in changes for r, v in change.scores.items()})
         for s in (s for change in changes for s in change.named):
             where = self.where[s.rank]
-            log.warning("rank %d on %s is slow: %s, since %s", s.rank, where, s.describe(), _clock(s.since))
+            since = s.since + self.wall_offset()
+            log.warning("rank %d on %s is slow: %s, since %s", s.rank, where, s.describe(), _clock(since))
             record = {"rank": s.rank, "node": where, "slowdown": round(s.slowdown, 2), **s.figures()}
-            self.found.append({**record, "since": s.since, "until": None})
+            self.found.append({**record, "since": since, "until": None})
         for s in (s for change in changes for s in change.recovered):
-            log.info("rank %d on %s is no longer slow (since %s)", s.rank, self.where[s.rank], _clock(now))
-            next(r for r in reversed(self.found) if r["rank"] == s.rank)["until"] = now
+            until = now + self.wall_offset()
+            log.info("rank %d on %s is no longer slow (since %s)", s.rank, self.where[s.rank], _clock(until))
+            next(r for r in reversed(self.found) if r["rank"] == s.rank)["until"] = until
         if any(change.named or change.recovered for change in changes):
             try:
                 self.path.write_text(json.dumps(self.found, indent=1) + "\n")
