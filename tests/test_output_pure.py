@@ -364,3 +364,38 @@ def test_bytes_that_are_not_utf8_reach_the_rank_log_as_written(tmp_path):
     assert [ln for _, ln in console] == ["[r0 n0] ok \ufffd\ufffd end", "[r0 n0] \u20ac and \ufffd"]
     written = b"[r0 n0] ok \xff\xfe end\n[r0 n0] \xe2\x82\xac and \xc3\n"
     assert (tmp_path / "rank-0.log").read_bytes() == written
+
+
+def test_a_bar_redrawn_with_carriage_returns_is_shown_as_it_goes_and_not_held_whole():
+    """#46 item 11: a `\\r`-only progress bar reached neither console nor log until its newline, and
+    every redraw piled up in the sink. Its state is shown as a line now and then; what is held is its
+    latest state; a finished line shows what a terminal would."""
+    from launcher.core.redraws import last_state, split_lines
+
+    assert last_state("plain") == "plain" and last_state("a\r") == "a" and last_state("\r 1%\r 2%") == " 2%"
+    assert split_lines("done\r\nnext") == (["done"], "next", None)
+    assert split_lines("x\n\r 1%|#\r 2%|##") == (["x"], " 2%|##", " 2%|##")
+    assert split_lines("\r") == ([], "", None)
+
+
+def test_the_sink_shows_a_redrawn_bar_at_most_every_second_and_its_end_once(tmp_path):
+    sink = OutputSink(str(tmp_path), node_of_rank=[0], console=frozenset({0}))
+    out, sent = Source(0, STDERR), 0
+
+    def write(data: bytes) -> list[str]:
+        nonlocal sent
+        sink.write(out, data, sent)
+        sent += len(data)
+        return [ln for _, ln in sink.drain()[0]]
+
+    assert write(b"\r  0%|") == ["[r0 n0]   0%|"]  # the first state, at once
+    assert write(b"\r 50%|#####") == [] and sink.partial[out] == " 50%|#####"  # held: the latest only
+    sink.bar_at[out] -= 1.0  # a second later
+    assert write(b"\r 90%|#########") == ["[r0 n0]  90%|#########"]
+    assert write(b"\r100%|##########\n") == ["[r0 n0] 100%|##########"]  # the end, at its newline
+    sink.finish()
+    assert (tmp_path / "rank-0.log").read_text().splitlines() == [
+        "[r0 n0]   0%|",
+        "[r0 n0]  90%|#########",
+        "[r0 n0] 100%|##########",
+    ]

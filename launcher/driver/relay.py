@@ -24,6 +24,7 @@ from ..core.deaths import ray_crash_line
 from ..core.metrics import RankLabels
 from ..core.outbatch import STDERR, OutputBatch, Source, merged
 from ..core.progress import parse_checkpoint_line, parse_megatron_line
+from ..core.redraws import split_lines
 from ..core.spec import RAY_NAMESPACE
 from ..core.straggler import Sample
 from .actors import first_line, kill_actors, on_node
@@ -35,6 +36,7 @@ log = logging.getLogger("megaray")
 
 
 LAST_LINES = 80  # of a dead rank's output, for the failure report (core/deaths.py trims them)
+BAR_EVERY_S = 1.0  # how often a bar redrawn with \r is shown as a line (core/redraws.py)
 
 
 def prefix(rank: int, node_rank: int) -> str:
@@ -59,6 +61,8 @@ class OutputSink:
         if run_dir is not None:
             self.configure(run_dir, node_of_rank or [], console)
         self.partial: dict[Source, str] = {}  # each stream's unterminated last line
+        self.bar_at: dict[Source, float] = {}  # when a bar redrawn with \r was last shown
+        self.bar_shown: dict[Source, str] = {}  # its state then, until its line ends
         self.received: dict[Source, int] = {}  # bytes of each stream's spool written here
         self.decoders: dict[Source, Any] = {}
         self.last: dict[int, deque[str]] = {}  # each rank's last lines, for a failure report
@@ -92,10 +96,16 @@ class OutputSink:
         decoder = self.decoders.setdefault(
             source, codecs.getincrementaldecoder("utf-8")(errors="surrogateescape")
         )
-        lines = (self.partial.pop(source, "") + decoder.decode(data)).split("\n")
-        if lines[-1]:
-            self.partial[source] = lines[-1]
-        self._lines(source, lines[:-1])
+        lines, rest, bar = split_lines(self.partial.pop(source, "") + decoder.decode(data))
+        if lines and lines[-1] == self.bar_shown.pop(source, None):
+            lines.pop()  # the bar's last state, shown already, ended with its newline
+        if rest:
+            self.partial[source] = rest
+        now = time.monotonic()
+        if bar is not None and now - self.bar_at.get(source, 0.0) >= BAR_EVERY_S:
+            self.bar_at[source], self.bar_shown[source] = now, bar  # a redrawn bar's state, now and then
+            lines.append(bar)
+        self._lines(source, lines)
 
     def _lines(self, source: Source, lines: list[str]) -> None:
         if not lines:
