@@ -162,6 +162,11 @@ class OutputSink:
         ]
         return [*self.last.get(rank, ()), *rest][-LAST_LINES:]
 
+    def reports(self, batch: list[tuple[int, dict[str, Any]]]) -> None:
+        """A rank's report() calls, sent to the sink itself (a test: rank/capture.py)."""
+        for rank, record in batch:
+            self.report(rank, record)
+
     def report(self, rank: int, record: dict[str, Any]) -> None:
         """Progress sent by `launcher.progress.report()` on a rank."""
         self.writes += 1

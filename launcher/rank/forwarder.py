@@ -78,11 +78,14 @@ class NodeForwarder:
         if self.metrics is not None:
             self.metrics.labels = labels
 
-    async def report(self, rank: int, record: dict[str, Any]) -> None:
+    async def reports(self, batch: list[tuple[int, dict[str, Any]]]) -> None:
+        """A rank's report() calls since its output thread's last turn (rank/capture.py)."""
+        for rank, record in batch:
+            if self.metrics is not None:
+                self.metrics.report(rank, record)
+            self.held.reports.append((rank, record))
         if self.metrics is not None:
-            self.metrics.report(rank, record)
             self._keep_metrics()
-        self.held.reports.append((rank, record))
         self.added += 1
         self._wake_sender(urgent=True)
 
