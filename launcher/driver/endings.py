@@ -63,6 +63,21 @@ def _program_failure(h: RankHandle, out: Any) -> RankFailure:
     )  # fmt: skip
 
 
+def failed_before(handles: tuple[RankHandle, ...], refs: list, began: float) -> list[RankFailure]:
+    """The ranks whose program failed (raised, or exited non-zero) before `began`, the wall-clock
+    time their stop began, among `refs` (by rank) that are done: their word came after the first
+    failure's window (4 ranks raising at once reach the driver over a second), and torchrun lists
+    every failed worker. What the stop ended, and a process that died, are not looked at here."""
+    done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+    rank_of, found = {ref: r for r, ref in enumerate(refs)}, []
+    for ref in done:
+        with contextlib.suppress(ray.exceptions.RayError):
+            out = ray.get(ref, timeout=0)
+            if not out.ok and out.at and out.at < began:
+                found.append(_program_failure(handles[rank_of[ref]], out))
+    return found
+
+
 def crash_on_exit(
     h: RankHandle, tail: list[str] | tuple[str, ...], at: float, status: int | None = None
 ) -> RankFailure:
@@ -247,20 +262,6 @@ class RankWatch:
             self.lingering[rank] = list(out.lingering)
             return True, out.value
         return False, _program_failure(h, out)
-
-    def failed_before(self, refs: list, began: float) -> list[RankFailure]:
-        """The ranks whose program failed (raised, or exited non-zero) before `began`, the wall-clock
-        time their stop began, among `refs` that are done: their word came after the first failure's
-        window (4 ranks raising at once reach the driver over a second), and torchrun lists every
-        failed worker. What the stop ended, and a process that died, are not looked at here."""
-        done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
-        rank_of, found = {ref: r for r, ref in enumerate(refs)}, []
-        for ref in done:
-            with contextlib.suppress(ray.exceptions.RayError):
-                out = ray.get(ref, timeout=0)
-                if not out.ok and out.at and out.at < began:
-                    found.append(_program_failure(self.handles[rank_of[ref]], out))
-        return found
 
     def _node_gone(self, h: RankHandle) -> bool:
         """Whether a dead rank's node is lost (asked once per node: Ray says so only after its health

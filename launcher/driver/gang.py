@@ -39,7 +39,7 @@ from ..core.topology import (
 from . import placement, ports
 from .actors import first_line, kill_actors, start_rank_actor, wait_all
 from .cluster import check_versions
-from .endings import RankWatch, fail_if_lost, node_lost, silent, spool_path
+from .endings import RankWatch, fail_if_lost, failed_before, node_lost, silent, spool_path
 from .handle import RankHandle, RankInfo
 from .links import check_rendezvous
 from .liveness import NodeProbes, raylet_addresses
@@ -289,7 +289,7 @@ class RankGang:
 
     def failed_before(self, refs: list, began: float) -> list[RankFailure]:
         """Ranks whose program failed before their stop began (endings.py)."""
-        return self.watch.failed_before(refs, began)
+        return failed_before(self.handles, refs, began)
 
     def collect_output(self, error: RankFailedError | None) -> None:
         """After a failed or stopped attempt: what the ranks printed last (endings.py)."""
