@@ -350,7 +350,7 @@ time.sleep(600)
 def test_a_pool_taken_by_a_launch_whose_driver_was_killed_is_free(env, tmp_path):
     """kill -9 of a driver whose launch took the pool: the pool's processes go on running its ranks,
     and the claim stays; `megaray list` says the job ended, and the next launch gives the pool back
-    (ending those ranks) and runs."""
+    (ending those ranks) and runs. Then `megaray down` while a launch runs: both say so."""
     import signal
     import time
 
@@ -385,6 +385,24 @@ def test_a_pool_taken_by_a_launch_whose_driver_was_killed_is_free(env, tmp_path)
             assert (
                 not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
             )
+        # `down` while a launch runs on it (#46): down names the launch it ends, which says why it failed
+        # (it blamed a crash or the OOM killer)
+        (tmp_path / "second").mkdir()
+        log = tmp_path / "second.log"
+        driver = drive.start(*runs, "--env", f"OUT={tmp_path / 'second'}", "sleeps.py", env=env, cwd=tmp_path,
+                             log=log)  # fmt: skip
+        deadline = time.monotonic() + 120
+        while not all((tmp_path / "second" / f"running-{r}").exists() for r in range(2)):
+            assert driver.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+            time.sleep(0.2)
+        down = megaray(env, "down")
+        assert down.returncode == 0 and f"stopping it ends 1 launch(es) running on it: pid {driver.pid}" in (
+            down.stderr
+        ), down.stderr[-3000:]
+        assert driver.wait(timeout=120) == 1
+        assert "was stopped meanwhile (`megaray down`): its ranks ended with it" in log.read_text(), (
+            log.read_text()[-3000:]
+        )
     finally:
         down = megaray(env, "down")
     assert down.returncode == 0 and processes_under(env["MEGARAY_STATE_DIR"]) == []

@@ -76,11 +76,16 @@ def main(command: str, argv: list[str], exits_after: bool = False) -> int:
     if standing is None:
         log.info("no `megaray up` is running")
         return 0
+    ending: list[str] = []
+    up.mark_stopping(standing)
     try:
         with _connected(standing.address, exits_after):
+            ending = up.launches_on_it()
             pool.drop()  # its detached processes would hold up the node's own stop for 30 s
     except MegarayError as e:  # the nodes are stopped all the same
         log.warning("could not give the warm pool back first (%s); stopping the nodes", e)
+    if ending:  # #46: they failed later, blaming a crash or the OOM killer
+        log.warning("stopping it ends %d launch(es) running on it: %s", len(ending), "; ".join(ending))
     left = up.stop(standing)
     killed = f" (killed {len(left)} process(es) that did not stop on SIGTERM)" if left else ""
     log.info("stopped the local Ray at %s%s", standing.describe(), killed)

@@ -38,6 +38,7 @@ class Cluster:
 
     address: str
     fixed_size: bool
+    up_address: str | None = None  # the `megaray up` Ray it is, which `megaray down` may stop meanwhile
 
 
 def _caused_by_auth(e: BaseException | None) -> bool:
@@ -105,14 +106,15 @@ def connect(spec: LaunchSpec, *, exits_after: bool = False) -> Iterator[Cluster]
         if spec.address:
             ours = (standing := up.running()) is not None and standing.address == spec.address
             _attach(stack, spec.address, streams, exits_after, announce=not ours)
-            cluster = Cluster(address=spec.address, fixed_size=False)
+            mine = spec.address if ours else None
+            cluster = Cluster(address=spec.address, fixed_size=False, up_address=mine)
         elif (standing := up.running()) is not None:
             log.info(
                 "attaching to the local Ray of `megaray up` at %s (`megaray down` stops it)",
                 standing.describe(),
             )
             _attach(stack, standing.address, streams, exits_after, announce=False)
-            cluster = Cluster(address=standing.address, fixed_size=True)
+            cluster = Cluster(address=standing.address, fixed_size=True, up_address=standing.address)
         elif problem := _local_problem(spec):
             raise UsageError(problem)
         elif spec.dry_run or (spec.nodes > 1 and not spec.uses_gpus):

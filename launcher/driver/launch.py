@@ -14,7 +14,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..core.elastic import GrowPolicy
-from ..core.errors import Interrupted, MegarayError, UsageError
+from ..core.errors import Interrupted, MegarayError, RankFailedError, UsageError
 from ..core.outcome import run_outcome
 from ..core.policy import FailurePolicy
 from ..core.profiles import load_profile
@@ -23,7 +23,7 @@ from ..core.runner import TargetRunner, Verdict
 from ..core.shellenv import shown_names
 from ..core.spec import LaunchSpec
 from ..core.target import Target, check_target_locally
-from . import placement
+from . import placement, up
 from .attempt import Attempt, LaunchResult
 from .cluster import connect
 from .controller import Controller
@@ -153,6 +153,10 @@ def _run(
             )  # fmt: skip
             try:
                 return controller.run()
+            except RankFailedError as e:
+                if cluster.up_address and up.stopped_under(cluster.up_address):  # #46: not a crash
+                    e.ending = f"{UP_STOPPED} {e.ending}".strip()
+                raise
             finally:
                 metrics.close()
                 from .pool import refill
@@ -174,6 +178,12 @@ def _run(
             shutil.rmtree(run.path, ignore_errors=True)  # bad input leaves nothing behind
         elif run is not None:
             _record(run, spec, error, controller, progress)
+
+
+UP_STOPPED = (
+    "The local Ray of `megaray up` this launch ran on was stopped meanwhile (`megaray down`): its ranks "
+    "ended with it."
+)
 
 
 def _record(

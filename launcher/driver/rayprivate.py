@@ -91,6 +91,18 @@ def job_is_dead(job_id_hex: str) -> bool | None:
     return None
 
 
+def drivers_running() -> list[tuple[str, int, str]]:
+    """(job id, pid, entrypoint) of each driver connected now: the GCS's job table, which a Ray
+    without a dashboard (`megaray up`'s) has too, where `ray.util.state.list_jobs` asks the dashboard."""
+    import ray._private.state
+
+    return [
+        (entry["JobID"], entry["DriverPid"], entry["Entrypoint"])
+        for entry in ray._private.state.jobs()
+        if not entry["IsDead"]
+    ]
+
+
 # -- the process's own Ray ----------------------------------------------------------------------------
 def reload_config() -> None:
     """Have Ray read its settings from the environment again (RAY_AUTH_MODE): it reads them once, at

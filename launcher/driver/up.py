@@ -214,6 +214,8 @@ def start(
         raise
     state = _recorded(state, procs)
     _path().write_text(json.dumps(dataclasses.asdict(state)))
+    with contextlib.suppress(OSError):  # an earlier `down` cut short left its mark
+        _stopping().unlink()
     os.chmod(_path(), 0o600)
     return state
 
@@ -299,6 +301,7 @@ def stop(state: Standing, wait_s: float = 30.0) -> list[int]:
     processes megaray started are signalled (driver/owned.py): a recorded pid that is now another
     process, and anything outside the nodes' sessions, are left alone. Returns the pids killed."""
     nodes = list(reversed(state.nodes_started()))
+    mark_stopping(state)
     for pid, started in nodes:
         if is_still(pid, started):
             with contextlib.suppress(ProcessLookupError):
@@ -317,7 +320,44 @@ def stop(state: Standing, wait_s: float = 30.0) -> list[int]:
     killed += _sweep(nodes)
     with contextlib.suppress(OSError):
         _path().unlink()
+    with contextlib.suppress(OSError):
+        _stopping().unlink()
     return killed
+
+
+def _stopping() -> Path:
+    return state_dir() / "up.stopping"
+
+
+def mark_stopping(state: Standing) -> None:
+    """From here on, a launch on it whose ranks end says why (`stopped_under`): `down` gives the pool
+    back first, which ends a launch's ranks taken from it, before it stops the nodes."""
+    with contextlib.suppress(OSError):
+        _stopping().write_text(state.address)
+
+
+def stopped_under(address: str) -> bool:
+    """Whether the `megaray up` Ray at `address` is being stopped or is gone: told to a launch on it
+    whose ranks ended with it."""
+    with contextlib.suppress(OSError):
+        if _stopping().read_text() == address:
+            return True
+    standing = running()
+    return standing is None or standing.address != address
+
+
+def launches_on_it() -> list[str]:
+    """The other drivers connected to the Ray this process is connected to (launches on `megaray up`):
+    what `megaray down` ends with it, each as its pid and command line (the GCS's job table)."""
+    import ray
+
+    from .rayprivate import drivers_running
+
+    mine = ray.get_runtime_context().get_job_id()
+    try:
+        return [f"pid {pid}: {entrypoint}" for job, pid, entrypoint in drivers_running() if job != mine]
+    except Exception:  # nothing to say: the nodes are stopped all the same
+        return []
 
 
 def _sweep(nodes: list[tuple[int, int | None]], grace_s: float = 10.0) -> list[int]:
