@@ -204,7 +204,9 @@ def test_a_lost_node_that_never_returns_fails_clearly(cluster, tmp_path):
     assert "restart 1 of 1 after: rank" in out
     # named as the node it was, not as a process that exited
     assert re.search(r"its node \S+ \(node id [0-9a-f]{8}\) was lost: .* it took rank\(s\) 1 with it", out)
-    assert "not placed within 5s" in out.splitlines()[-2] + out.splitlines()[-1]
+    last = out.splitlines()[-2] + out.splitlines()[-1]
+    assert "not placed within 5s" in last
+    assert re.search(r"left out: the node\(s\) this job lost, \S+ \(node id [0-9a-f]{8}\)", last), last  # #46
     assert leftovers("gone") == ([], [])
     cluster.add_node(**NODE)  # leave the cluster as the other tests found it
 

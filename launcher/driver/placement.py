@@ -65,6 +65,16 @@ def describe_nodes() -> str:
     return "; ".join(parts) or "no live nodes"
 
 
+def describe_lost(exclude: tuple[str, ...]) -> str:
+    """The nodes an earlier attempt lost, which placing leaves out, for the resource error (#46: a
+    relaunch below what it needs said 'lower --nodes' and never which node had gone)."""
+    if not exclude:
+        return ""
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    shown = ", ".join(f"{ips.get(node, '?')} (node id {node[:8]})" for node in exclude)
+    return f"; left out: the node(s) this job lost, {shown}"
+
+
 def nodes_that_could_fit(spec: LaunchSpec, exclude: tuple[str, ...] = ()) -> int:
     """How many of the cluster's nodes (but `exclude`) could hold one of the launch's groups, empty."""
     totals = {k: v for k, v in rayprivate.total_resources_per_node().items() if k not in exclude}
@@ -204,7 +214,7 @@ def place_groups(
         how = f"{wait} placed" if settle_s is None else f"going on with those placed within {settle_s:g}s"
         log.warning("only %d node(s) of the cluster can hold a group: %s (at least %d)", fit, how, wanted.min)
     if problem and fixed_size:
-        raise resource_error(spec, 0, problem, describe_nodes(), can_grow=False)
+        raise resource_error(spec, 0, problem + describe_lost(exclude), describe_nodes(), can_grow=False)
     fix = None
     if problem and cluster_cannot_grow():
         # No autoscaler will add a node; one started by hand, or a KubeRay replica still booting, can.
@@ -227,7 +237,7 @@ def place_groups(
         placed = _place_enough(spec, name, groups, at_least, settle, deadline, stop, detached, exclude)
     except _NotPlaced as e:
         remove_groups(groups)
-        why = f"not placed within {waits:g}s on {at_least} distinct nodes"
+        why = f"not placed within {waits:g}s on {at_least} distinct nodes{describe_lost(exclude)}"
         raise resource_error(
             spec, e.placed, f"{problem}; {why}" if problem else why, before, can_grow=not fixed_size, fix=fix
         ) from None
