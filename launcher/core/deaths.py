@@ -157,11 +157,11 @@ def ray_teardown_crash(last_output: list[str] | tuple[str, ...]) -> bool:
 # same signal, again, with raw addresses) and the list of extension modules; in the failure report,
 # stack frames of the launcher, Ray and runpy below the program's own too.
 _RAY_CRASH = r"\] logging\.cc:\d+: |^PC: @|^\s+@\s+0x|^\*\*\* SIG[A-Z]+ received|^Extension modules: "
-# faulthandler's frames (`File "...", line N in f`, no comma: not a Python traceback's) of Ray's worker
-# loop and megaray's rank code, below the program's own
-_RAY_FRAMES = r'|^\s+File "(<frozen runpy>|[^"]*/(ray|launcher/rank)/[^"]*)", line \d+ in '
-_CRASH_DUMP = re.compile(_RAY_CRASH + _RAY_FRAMES)
-_NOISE = re.compile(_RAY_CRASH + r'|^\s+File "(<frozen runpy>|[^"]*/(ray|launcher/rank)/[^"]*)", line')
+_RAY_FRAME = r'|^\s+File "(<frozen runpy>|[^"]*/(ray|launcher/rank)/[^"]*)", line'  # any stack's
+_NOISE = re.compile(_RAY_CRASH + _RAY_FRAME)
+# on the console, only faulthandler's frames (`line N in f`, no comma: not a Python traceback's) of
+# Ray's worker loop and megaray's rank code, below the program's own
+_CRASH_DUMP = re.compile(_RAY_CRASH + _RAY_FRAME + r" \d+ in ")
 
 
 def ray_crash_line(line: str) -> bool:

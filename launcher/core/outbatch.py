@@ -24,10 +24,6 @@ class Source(NamedTuple):
     rank: int
     stream: int = STDOUT
 
-    @property
-    def is_err(self) -> bool:
-        return self.stream == STDERR
-
 
 FIRST = Source(0)
 

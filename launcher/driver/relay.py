@@ -39,6 +39,12 @@ LAST_LINES = 80  # of a dead rank's output, for the failure report (core/deaths.
 BAR_EVERY_S = 1.0  # how often a bar redrawn with \r is shown as a line (core/redraws.py)
 
 
+def _replaced(text: str) -> str:
+    """`text` with the bytes that were not UTF-8 (decoded with surrogateescape) as U+FFFD: for the
+    console and the report, while the rank's log keeps the bytes."""
+    return text.encode(errors="surrogateescape").decode(errors="replace")
+
+
 def prefix(rank: int, node_rank: int) -> str:
     return f"[r{rank} n{node_rank}] "
 
@@ -118,7 +124,7 @@ class OutputSink:
             try:
                 text.encode()
             except UnicodeEncodeError:  # bytes that were not UTF-8: the log has them, the rest U+FFFD
-                lines = [ln.encode(errors="surrogateescape").decode(errors="replace") for ln in lines]
+                lines = [_replaced(ln) for ln in lines]
         if failed is not None:  # said once: the console goes on, the files are counted short
             said = f"the rank logs in {self.dir} cannot be written ({failed}): the console goes on"
             self.console.append((STDERR, f"megaray: {said}; what is lost is counted at the end"))
@@ -155,11 +161,7 @@ class OutputSink:
 
     def tail(self, rank: int) -> list[str]:
         """A rank's last lines, the unterminated ones included."""
-        rest = [
-            text.encode(errors="surrogateescape").decode(errors="replace")
-            for source, text in sorted(self.partial.items())
-            if source.rank == rank and text
-        ]
+        rest = [_replaced(t) for source, t in sorted(self.partial.items()) if source.rank == rank and t]
         return [*self.last.get(rank, ()), *rest][-LAST_LINES:]
 
     def reports(self, batch: list[tuple[int, dict[str, Any]]]) -> None:
