@@ -7,12 +7,15 @@ every placement group removed (unless handed to the next attempt with its spares
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+import ray
 
 from ..core.elastic import GrowPolicy
 from ..core.errors import RankFailedError
@@ -114,6 +117,7 @@ class Attempt:
         self.returns: tuple[Any, ...] = ()
         self.succeeded = False
         self.failure: RankFailedError | None = None
+        self._imports: Any = None  # rank 0's imports ahead, until what they took is recorded
 
     @property
     def adopted(self) -> bool:
@@ -173,7 +177,8 @@ class Attempt:
         # rank 0's process, with the target's stack imported (a warm pool's) or once it has (`after`)
         ready = (gang.actors[0], None) if gang.adopted else None
         if self.imports_first and not gang.adopted:
-            ready = (gang.actors[0], import_ahead(gang.actors, spec.target)[0])
+            self._imports = import_ahead(gang.actors, spec.target)[0]
+            ready = (gang.actors[0], self._imports)
         gpu_gib = min((r.gpu_memory_gib for r in gang.reports if r.gpu_memory_gib), default=None)
         self.spec = spec = dataclasses.replace(spec, target=self.target(gpu_gib, ready))
         if on and not known and (dims := self.parallel_dims(spec)) is not None:
@@ -216,10 +221,24 @@ class Attempt:
         """Every turn of the supervision: the nodes still answer, the next attempt's spares tended, and
         below MAX nodes, whether to grow (raises GrowTo)."""
         self.gang.check_nodes()
+        self._imported()
         self.metrics.progress(self.progress.stats)
         self._tend_spares()
         if self.grow is not None:
             self.grow.check(self.relay.last_checkpoint_at)
+
+    def _imported(self) -> None:
+        """Once rank 0's imports ahead are done, what they took (and the config built ahead), said
+        and kept in summary.json (`timings.imports_s`): the part of a cold start that is the program's
+        own, beside what the launch took before it (`timings.started` counts from the placing)."""
+        if self._imports is None or not ray.wait([self._imports], timeout=0)[0]:
+            return
+        ref, self._imports = self._imports, None
+        with contextlib.suppress(Exception):  # the rank failed: its run says why
+            done = ray.get(ref)
+            self.gang.timings["imports_s"] = done["seconds"]
+            built = f" (the config built ahead in {done['prepared_s']:.1f} s)" if done["prepared_s"] else ""
+            log.info("rank 0 imported its program's stack in %.1f s%s", done["seconds"], built)
 
     def _tend_spares(self) -> None:
         """Start the next attempt's spares once this one trains (they would compete with its ranks'

@@ -16,6 +16,7 @@ ends it first if the launch ends before (`cancel`).
 from __future__ import annotations
 
 import contextlib
+import gc
 import logging
 import os
 import pickle
@@ -242,6 +243,9 @@ def answer(spec: LaunchSpec, in_rank: bool = False) -> tuple[str, Any, list[tupl
 
 
 def child(folder: str) -> int:
+    # an import that makes ~800,000 objects it keeps, in a process that ends once it has answered:
+    # the collector's walks over them are time for nothing (rank/warmup.py `collector_paused`)
+    gc.disable()
     with open(os.path.join(folder, "spec.pkl"), "rb") as f:
         spec: LaunchSpec = pickle.load(f)
     verdict = answer(spec)
