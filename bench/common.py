@@ -49,7 +49,19 @@ def ray_cluster(nodes: int, cpus_per_node: int, gpus_per_node: int = 0) -> Itera
     try:
         yield cluster.address
     finally:
-        cluster.shutdown()
+        stop_cluster(cluster)
+
+
+def stop_cluster(cluster) -> None:
+    """`Cluster.shutdown`, its head's autoscaler monitor killed first, as megaray stops the Rays it
+    starts (launcher/driver/rayprivate.py `stop_monitor`: a second saved)."""
+    if str(REPO) not in sys.path:  # a bench run as `python bench/<name>.py`
+        sys.path.append(str(REPO))
+    from launcher.driver.rayprivate import stop_monitor
+
+    if cluster.head_node is not None:
+        stop_monitor(cluster.head_node)
+    cluster.shutdown()
 
 
 def timed(cmd: list[str], timeout: float = 600) -> tuple[float, subprocess.CompletedProcess]:

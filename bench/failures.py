@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import PY, REPO, clean_env, median, summary
+from common import PY, REPO, clean_env, median, stop_cluster, summary
 
 HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
 # Ranks that train as a job would: a collective and a line of output every 0.1 s, so one stopped
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> dict:
                 restarts.setdefault(mode, []).append(restart_once(cluster, mode, job, args.trainer))
     finally:
         ray.shutdown()
-        cluster.shutdown()
+        stop_cluster(cluster)
     print(f"failure to teardown, 2 nodes x 1 rank (seconds, n={args.repeats}):", flush=True)
     notes = {
         "rank death": "",

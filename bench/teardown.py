@@ -6,6 +6,9 @@ it at once; with `--handler-s S` a second round runs ranks whose SIGTERM handler
 (a checkpoint on SIGTERM), which both launchers must wait for.
 
     python bench/teardown.py --ranks 4 --repeats 3 --handler-s 0.5
+
+`--driver-signal`: also SIGTERM to the launcher itself, attached to the running Ray and starting its
+own, to its exit.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from common import PY, REPO, clean_env, median, ray_cluster, summary
 
 TARGET = str(REPO / "bench" / "targets.py")
 SIGNALED = "SIGTERM to the launcher: "
+OWN_RAY = "megaray starting its own Ray"
 
 
 def _alive(pid: int) -> bool:
@@ -120,6 +124,10 @@ def main(argv: list[str] | None = None) -> dict:
                 cmd = [PY, str(REPO / "main.py"), "--address", address, "--job-name", job, "--device",
                        "cpu", "--gpus-per-node", str(n), "--cpus-per-rank", "0.5"]  # fmt: skip
                 res.setdefault(SIGNALED + "megaray", []).append(once(cmd, n, groups(job), driver_signal=True))
+                # starting its own Ray, stopped before it exits (#45: Ray's stop was most of the exit)
+                own = [PY, str(REPO / "main.py"), "--job-name", f"{job}own", "--device", "cpu",
+                       "--gpus-per-node", str(n), "--cpus-per-rank", "0.5"]  # fmt: skip
+                res.setdefault(SIGNALED + OWN_RAY, []).append(once(own, n, driver_signal=True))
         finally:
             ray.shutdown()
     print(f"{n} ranks, SIGKILL of rank 1 (seconds, median of {args.repeats}):", flush=True)
@@ -138,10 +146,14 @@ def main(argv: list[str] | None = None) -> dict:
     if args.driver_signal:
         mine, theirs = res[SIGNALED + "megaray"], res[SIGNALED + "torchrun"]
         print(f"{n} ranks, SIGTERM to the launcher (seconds, median of {args.repeats}):", flush=True)
-        for name, runs in (("torchrun  ranks gone", theirs), ("megaray   ranks gone + groups removed", mine)):
+        own = res[SIGNALED + OWN_RAY]
+        for name, runs in (("torchrun  ranks gone", theirs), ("megaray   ranks gone + groups removed", mine),
+                           ("megaray, own Ray, ranks gone", own)):  # fmt: skip
             print(f"  {name}: {summary([r[0] for r in runs])}; exited: {summary([r[1] for r in runs])}")
         ratio = median([r[1] for r in mine]) / median([r[1] for r in theirs])
         print(f"  megaray/torchrun (exited): {ratio:.2f}", flush=True)
+        ratio = median([r[1] for r in own]) / median([r[1] for r in theirs])
+        print(f"  megaray starting its own Ray/torchrun (exited): {ratio:.2f}", flush=True)
     return res
 
 

@@ -302,3 +302,39 @@ def test_warm_spares_run_the_next_attempt_in_the_process_torchrun_gives(tmp_path
         assert v["hash_randomization"] == 0 and v["breakpointhook"] is None and v["error_file_set"]
         assert v["sys_path"][0] == "<work>" and not any("/ray/" in p for p in v["sys_path"])
     assert len({v["hash"] for v in views}) == 1
+
+
+OUTLIVED = Path(__file__).resolve().parent / "outlived.py"
+RUNS_UNTIL_STOPPED = """
+import os, sys, time
+open(os.path.join(sys.argv[1], f"running-{os.environ['RANK']}"), "w").close()
+time.sleep(600)
+"""
+
+
+def outlived(tmp_path: Path, *args: str, term_once: Path | None = None) -> tuple[dict, str]:
+    """megaray run by tests/outlived.py: ({"rc", "left": what outlived it}, its stderr)."""
+    wrap = [sys.executable, str(OUTLIVED), *(("--term-once", str(term_once)) if term_once else ()), "--"]
+    megaray = [sys.executable, str(REPO / "main.py"), "--runs-dir", str(tmp_path / "runs"), *args]
+    p = subprocess.run([*wrap, *megaray], cwd=tmp_path, env=base_env(tmp_path), capture_output=True,
+                       text=True, timeout=240, stdin=subprocess.DEVNULL)  # fmt: skip
+    return json.loads(p.stdout.strip().splitlines()[-1]), p.stderr
+
+
+def test_a_ray_started_for_the_launch_is_stopped_with_every_process_it_started(tmp_path):
+    """#45: megaray stops the Ray it started for a launch (its own, or simulated nodes) without
+    waiting a second for Ray's autoscaler monitor, and SIGTERM ends it as soon as its ranks are gone;
+    whatever the ending, no process of that Ray outlives the command (its raylet's agents, which a
+    raylet killed without its stop would leave running, included)."""
+    script = tmp_path / "runs_until_stopped.py"
+    script.write_text(RUNS_UNTIL_STOPPED)
+    out = tmp_path / "out"
+    out.mkdir()
+    ended, err = outlived(tmp_path, "--device", "cpu", "--gpus-per-node", "2", str(script), str(out),
+                          term_once=out / "running-1")  # fmt: skip
+    assert ended == {"rc": 143, "left": []}, err[-3000:]
+    assert "starting a local Ray for this run" in err and "interrupted by SIGTERM" in err, err[-3000:]
+    two_nodes = ("--device", "cpu", "--nodes", "2", "--gpus-per-node", "1")  # simulated, a program to its end
+    ended, err = outlived(tmp_path, *two_nodes, str(PROBE), str(out))
+    assert ended == {"rc": 0, "left": []}, err[-3000:]
+    assert "simulating 2 node(s)" in err, err[-3000:]

@@ -146,10 +146,12 @@ def connect(spec: LaunchSpec, *, exits_after: bool = False) -> Iterator[Cluster]
         # Ray's driver shutdown waits about 0.25 s in its core worker; when the process ends right
         # after the command, the GCS sees the driver go all the same (a Ray we started is stopped).
         if ray.is_initialized() and not (attached and exits_after):
+            if not attached and sim is None:  # the local Ray started above
+                rayprivate.stop_monitor()
             ray.shutdown()
         stack.close()
         if sim is not None:
-            sim.shutdown()
+            _stop_simulated(sim)
 
 
 def _local_problem(spec: LaunchSpec) -> str | None:
@@ -250,6 +252,14 @@ def _simulate(spec: LaunchSpec):
         sim.add_node(**per_node)
     sim.wait_for_nodes()
     return sim
+
+
+def _stop_simulated(sim: Any) -> None:
+    """Ray's `Cluster.shutdown`, its head's autoscaler monitor killed first (rayprivate.stop_monitor:
+    a second of every simulated launch's end)."""
+    if sim.head_node is not None:
+        rayprivate.stop_monitor(sim.head_node)
+    sim.shutdown()
 
 
 def check_versions(reports: list[RankReport]) -> None:
