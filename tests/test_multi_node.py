@@ -17,6 +17,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launcher.cli import main
+from launcher.driver import rayprivate
 
 from . import drive
 from .conftest import REPO, free_port, leftovers, read_ranks
@@ -44,6 +45,7 @@ def cluster():
     ray.init(address=c.address, namespace="megaray")
     yield c
     ray.shutdown()
+    rayprivate.stop_monitor(c.head_node)  # a second of Ray's stop (launcher/driver/cluster.py does the same)
     c.shutdown()
 
 

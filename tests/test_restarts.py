@@ -19,6 +19,8 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
 
+from launcher.driver import rayprivate
+
 from . import drive
 from .conftest import REPO, connected, free_port, leftovers
 
@@ -79,6 +81,7 @@ def cluster():
     ray.init(address=c.address, namespace="megaray")
     yield c
     ray.shutdown()
+    rayprivate.stop_monitor(c.head_node)  # a second of Ray's stop (launcher/driver/cluster.py does the same)
     c.shutdown()
 
 
