@@ -61,10 +61,10 @@ def netns(*args: str, timeout: float = 300, env: dict[str, str] | None = None) -
 class Launch:
     """A launch whose output lines are kept with the time each arrived."""
 
-    def __init__(self, address: str, runs: Path, job: str, steps: int, extra: list[str]):
+    def __init__(self, address: str, runs: Path, job: str, steps: int, extra: list[str], nodes: int = 2):
         script = runs / "loop.py"
         script.write_text(LOOP)
-        cmd = [PY, str(REPO / "main.py"), "--address", address, "--device", "cpu", "--nodes", "2",
+        cmd = [PY, str(REPO / "main.py"), "--address", address, "--device", "cpu", "--nodes", str(nodes),
                "--job-name", job, "--runs-dir", str(runs), *extra, str(script), str(steps)]  # fmt: skip
         self.runs, self.job = runs, job
         self.lines: list[tuple[float, str]] = []
@@ -101,17 +101,27 @@ class Launch:
         return code
 
 
-def one_round(work: Path, i: int, tuned: bool = False) -> dict[str, float | None]:
+def one_round(work: Path, i: int, tuned: bool = False, everywhere: bool = False) -> dict[str, float | None]:
+    """`everywhere`: a rank on each of the 3 machines, every rank's output on the console (the lost
+    node's ranks among them), instead of 2 machines with rank 0's."""
     address = re.search(r"RAY_ADDRESS=(\S+)", netns("up", "3", env=TUNED if tuned else None)).group(1)
+    layout = {"nodes": 3} if everywhere else {}
+    shown = ["--log-ranks", "all"] if everywhere else []
     try:
-        survive = Launch(address, work, f"survive{i}", 60, ["--max-restarts", "1"])
-        _, cut = survive.cut_a_worker()
-        restarted = survive.first(r"restart 1 of 1 after: .*was lost", cut) if survive.wait() == 0 else None
-        stepped = survive.first(r"\] step 0$", restarted) if restarted else None
-        fail = Launch(address, work, f"fail{i}", 100000, [])
+        restarted = stepped = cut = None  # a relaunch on all 3 machines would wait for the lost one
+        if not everywhere:
+            survive = Launch(address, work, f"survive{i}", 60, ["--max-restarts", "1"])
+            _, cut = survive.cut_a_worker()
+            relaunched = survive.wait() == 0
+            restarted = survive.first(r"restart 1 of 1 after: .*was lost", cut) if relaunched else None
+            stepped = survive.first(r"\] step 0$", restarted) if restarted else None
+        fail = Launch(address, work, f"fail{i}", 100000, shown, **layout)
         _, cut2 = fail.cut_a_worker()
         code = fail.wait()
         named = fail.first(r"was lost", cut2)
+        for t, line in fail.lines if os.environ.get("CUT_LINK_SHOW") else ():
+            if t >= cut2 - 0.5 and "] step " not in line:
+                print(f"{t - cut2:7.2f} {line[:160]}", flush=True)
         return {
             "to relaunch": restarted - cut if restarted else None,
             "to first step after relaunch": stepped - cut if stepped else None,
@@ -127,14 +137,21 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument(
         "--tuned", action="store_true", help="Ray's health checks at 500 ms x 3, not defaults"
     )
+    parser.add_argument(
+        "--everywhere", action="store_true",
+        help="a rank on each of the 3 machines, every rank's output on the console (--log-ranks all)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if os.geteuid() != 0 or not SCRIPT.exists():
         raise SystemExit(f"bench/cut_link.py needs root and {SCRIPT}")
     work = Path(tempfile.mkdtemp(prefix="megaray-cut-"))
-    rounds = [one_round(work, i, args.tuned) for i in range(args.repeats)]
+    rounds = [one_round(work, i, args.tuned, args.everywhere) for i in range(args.repeats)]
     checks = "tuned (500 ms x 3)" if args.tuned else "default"
     print(f"a cut link, Ray's {checks} health checks (seconds from the cut, n={args.repeats}):")
-    for key in ("to exit", "to relaunch", "to first step after relaunch"):
+    layout = "3 machines x 1 rank, every rank on the console" if args.everywhere else "2 machines x 1 rank"
+    print(f"  ({layout})")
+    keys = ("to exit",) if args.everywhere else ("to exit", "to relaunch", "to first step after relaunch")
+    for key in keys:
         values = [r[key] for r in rounds if r[key] is not None]
         missing = len(rounds) - len(values)
         print(f"  {key}: {summary(values)}" + (f"; not reached {missing} times" if missing else ""))

@@ -260,6 +260,8 @@ class Attempt:
     def teardown(self) -> None:
         """Ranks still running (a peer failed, a hang, Ctrl-C) get SIGTERM and --kill-grace to end on
         it, as torchrun's do; then every actor is killed and the groups removed (unless handed over)."""
+        if self.relay is not None:
+            self.relay.nodes_lost(self.gang.lost_nodes)
         if not self.succeeded and self.refs and self.relay is not None:
             began = time.time()
             self.relay.stop_ranks()

@@ -399,7 +399,9 @@ class RankWatch:
             return
         rest = [h for h in handles if h.slot.rank not in salvaging and not lost.get(h.report.node_id)]
         refs = [_ship(node, sink, _spools(hs)) for node, hs in ranks_by_node(tuple(rest)).items()]
-        pending = [r for r in salvaging.values() if r is not None] + refs
+        # nothing from a node found lost since: it would answer nothing
+        on_lost = {h.slot.rank for h in handles if lost.get(h.report.node_id)}
+        pending = [r for rank, r in salvaging.items() if r is not None and rank not in on_lost] + refs
         ready = _wait_shipped(pending, SALVAGE_WAIT_S)
         if error is None:
             return

@@ -127,7 +127,6 @@ def last_cluster_address() -> Any:
     return read_ray_address()
 
 
-
 def stop_monitor(node: Any = None) -> None:
     """Kill the autoscaler's monitor of a Ray megaray started (`node`: a simulated cluster's head,
     else this process's own Ray), before that Ray is stopped: a stop asks each of its processes in turn

@@ -274,6 +274,7 @@ class OutputRelay:
             self.sink = start_sink(name).remote(str(run_dir.resolve()), node_of_rank, console)
         self.console = console
         self.forwarders: dict[str, Any] = {}  # by node id
+        self.lost: set[str] = set()  # nodes found lost: their forwarders are not waited for
         self.drain_ref: Any = None
         self.writes_seen = 0  # the sink's count of rank writes and reports, when last drained
         self.last_activity = time.monotonic()
@@ -289,10 +290,15 @@ class OutputRelay:
             self.forwarders = start_forwarders(self.sink, sorted(node_ids), self.console, metrics)
         return self.forwarders
 
+    def nodes_lost(self, node_ids: set[str]) -> None:
+        """Nodes found lost (a cut link, a dead machine): nothing is asked of their forwarders from now
+        on, which would answer nothing (each wait below was its whole timeout, 10 s of the exit)."""
+        self.lost |= node_ids
+
     def _tell_forwarders(self, method: str, timeout_s: float) -> None:
         """Call `method` on every node's forwarder at once and wait for them all, up to `timeout_s`
-        (a node gone answers nothing)."""
-        refs = [getattr(f, method).remote() for f in self.forwarders.values()]
+        (a node gone answers nothing; one known lost is not asked)."""
+        refs = [getattr(f, method).remote() for node, f in self.forwarders.items() if node not in self.lost]
         if refs:
             with contextlib.suppress(Exception):
                 ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
