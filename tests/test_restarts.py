@@ -98,7 +98,7 @@ def wait_for_line(path: Path, pattern: str, proc: subprocess.Popen, timeout_s: f
             found = re.search(pattern, path.read_text())
             if found:
                 return found.group(0)
-        assert proc.poll() is None, proc.communicate()[0][-4000:]
+        assert proc.poll() is None, (proc.communicate()[0] or "")[-4000:]
         time.sleep(0.1)
     raise AssertionError(f"{pattern!r} never appeared in {path}")
 
@@ -108,11 +108,16 @@ def test_a_killed_rank_is_relaunched_and_training_resumes_from_the_last_checkpoi
     job = "resume"
     # a rank per node: the two nodes, their spares and the relaunch, at half the processes of 2 x 2
     args = f"--nodes 2 --gpus-per-node 1 --max-restarts 1 --dry-run steps=40 save={ckpt} save_every=5"
-    proc = driver(cluster, job, runs, args)
+    log = tmp_path / "driver.log"
+    where = ("--job-name", job, "--address", cluster.address, "--runs-dir", str(runs))
+    proc = drive.start(*where, *args.split(), log=log)
+    # the relaunch is to take the spares: on a loaded machine the kill came before they were started
+    wait_for_line(log, r"starting 2 warm spare\(s\)", proc)
     wait_for_line(runs / job / "rank-0.log", r"saved checkpoint at iteration 10\b", proc)
     victim = json.loads((runs / job / "topology.json").read_text())["ranks"][1]["pid"]
     os.kill(victim, 9)
-    out, _ = proc.communicate(timeout=240)
+    proc.wait(timeout=240)
+    out = log.read_text()
     assert proc.returncode == 0, out[-5000:]
     assert "restart 1 of 1 after: rank 1 on" in out and "SIGKILL" in out
     assert "a signal sent from outside the job" in out

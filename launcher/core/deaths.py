@@ -33,6 +33,14 @@ class ProcessEnd:
         return self.status == 0
 
     @property
+    def failed(self) -> bool:
+        """Whether the node saw a failure: a non-zero exit or a signal. Not a clean exit, and not a
+        process found already gone (status unknown: Ray's raylet, its parent, reaped it before the
+        look, as it often does on a loaded machine): that one is left to Ray's report of the death,
+        which tells an os._exit(0) by the rank's exit mark (driver/endings.py)."""
+        return self.status is not None and not self.clean
+
+    @property
     def exit_code(self) -> int | None:
         """As torch elastic reports a worker's: the code, or minus the signal."""
         if self.status is None:
