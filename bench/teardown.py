@@ -7,8 +7,8 @@ it at once; with `--handler-s S` a second round runs ranks whose SIGTERM handler
 
     python bench/teardown.py --ranks 4 --repeats 3 --handler-s 0.5
 
-`--driver-signal`: also SIGTERM to the launcher itself, attached to the running Ray and starting its
-own, to its exit.
+`--driver-signal`: also SIGTERM to the launcher itself, attached to the running Ray, to its exit;
+with `--own-ray` also megaray starting its own Ray (which it stops before it exits).
 """
 
 from __future__ import annotations
@@ -94,6 +94,10 @@ def main(argv: list[str] | None = None) -> dict:
         "--driver-signal", action="store_true",
         help="also time SIGTERM to the launcher itself, ranks ending at once on it: to its exit",
     )  # fmt: skip
+    parser.add_argument(
+        "--own-ray", action="store_true",
+        help="with --driver-signal, also megaray starting its own Ray (and stopping it before it exits)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     n = args.ranks
     handlers = [None] if args.handler_s is None else [None, args.handler_s]
@@ -124,10 +128,10 @@ def main(argv: list[str] | None = None) -> dict:
                 cmd = [PY, str(REPO / "main.py"), "--address", address, "--job-name", job, "--device",
                        "cpu", "--gpus-per-node", str(n), "--cpus-per-rank", "0.5"]  # fmt: skip
                 res.setdefault(SIGNALED + "megaray", []).append(once(cmd, n, groups(job), driver_signal=True))
-                # starting its own Ray, stopped before it exits (#45: Ray's stop was most of the exit)
-                own = [PY, str(REPO / "main.py"), "--job-name", f"{job}own", "--device", "cpu",
-                       "--gpus-per-node", str(n), "--cpus-per-rank", "0.5"]  # fmt: skip
-                res.setdefault(SIGNALED + OWN_RAY, []).append(once(own, n, driver_signal=True))
+                if args.own_ray:  # its own Ray, stopped before it exits (#45: Ray's stop was most of it)
+                    own = [PY, str(REPO / "main.py"), "--job-name", f"{job}own", "--device", "cpu",
+                           "--gpus-per-node", str(n), "--cpus-per-rank", "0.5"]  # fmt: skip
+                    res.setdefault(SIGNALED + OWN_RAY, []).append(once(own, n, driver_signal=True))
         finally:
             ray.shutdown()
     print(f"{n} ranks, SIGKILL of rank 1 (seconds, median of {args.repeats}):", flush=True)
@@ -146,14 +150,15 @@ def main(argv: list[str] | None = None) -> dict:
     if args.driver_signal:
         mine, theirs = res[SIGNALED + "megaray"], res[SIGNALED + "torchrun"]
         print(f"{n} ranks, SIGTERM to the launcher (seconds, median of {args.repeats}):", flush=True)
-        own = res[SIGNALED + OWN_RAY]
-        for name, runs in (("torchrun  ranks gone", theirs), ("megaray   ranks gone + groups removed", mine),
-                           ("megaray, own Ray, ranks gone", own)):  # fmt: skip
+        own = res.get(SIGNALED + OWN_RAY, [])
+        rows = [("torchrun  ranks gone", theirs), ("megaray   ranks gone + groups removed", mine)]
+        for name, runs in rows + ([("megaray, own Ray, ranks gone", own)] if own else []):
             print(f"  {name}: {summary([r[0] for r in runs])}; exited: {summary([r[1] for r in runs])}")
         ratio = median([r[1] for r in mine]) / median([r[1] for r in theirs])
         print(f"  megaray/torchrun (exited): {ratio:.2f}", flush=True)
-        ratio = median([r[1] for r in own]) / median([r[1] for r in theirs])
-        print(f"  megaray starting its own Ray/torchrun (exited): {ratio:.2f}", flush=True)
+        if own:
+            ratio = median([r[1] for r in own]) / median([r[1] for r in theirs])
+            print(f"  megaray starting its own Ray/torchrun (exited): {ratio:.2f}", flush=True)
     return res
 
 
