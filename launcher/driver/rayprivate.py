@@ -133,10 +133,13 @@ def stop_monitor(node: Any = None) -> None:
     to end and gives each up to a second, and the monitor alone takes it all (1.02 s of a 1.18 s
     `ray.shutdown()` here; the raylet 0.06 s, the GCS 0.02 s), a second at the end of every launch on
     such a Ray and of its exit on SIGTERM (#45). A Ray private to one launch has nothing to scale.
-    Neither `ray.shutdown` nor `Cluster.shutdown` takes an option for it."""
+    Neither `ray.shutdown` nor `Cluster.shutdown` takes an option for it. It runs on the way out of a
+    launch, before the stop: should a Ray upgrade move it, the stop is a second slower, not skipped."""
     import ray._private.worker as ray_worker
     from ray._private import ray_constants
 
     node = node if node is not None else ray_worker._global_node
     if node is not None:
-        node._kill_process_type(ray_constants.PROCESS_TYPE_MONITOR, check_alive=False, allow_graceful=False)
+        with contextlib.suppress(Exception):
+            monitor = ray_constants.PROCESS_TYPE_MONITOR
+            node._kill_process_type(monitor, check_alive=False, allow_graceful=False)
