@@ -57,11 +57,9 @@ def stop_cluster(cluster) -> None:
     starts (launcher/driver/rayprivate.py `stop_monitor`: a second saved)."""
     if str(REPO) not in sys.path:  # a bench run as `python bench/<name>.py`
         sys.path.append(str(REPO))
-    from launcher.driver.rayprivate import stop_monitor
+    from launcher.driver.cluster import stop_simulated
 
-    if cluster.head_node is not None:
-        stop_monitor(cluster.head_node)
-    cluster.shutdown()
+    stop_simulated(cluster)
 
 
 def timed(cmd: list[str], timeout: float = 600) -> tuple[float, subprocess.CompletedProcess]:

@@ -17,7 +17,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launcher.cli import main
-from launcher.driver import rayprivate
+from launcher.driver.cluster import stop_simulated
 
 from . import drive
 from .conftest import REPO, free_port, leftovers, read_ranks
@@ -45,8 +45,7 @@ def cluster():
     ray.init(address=c.address, namespace="megaray")
     yield c
     ray.shutdown()
-    rayprivate.stop_monitor(c.head_node)  # a second of Ray's stop (launcher/driver/cluster.py does the same)
-    c.shutdown()
+    stop_simulated(c)  # as megaray stops its own: a second of Ray's stop saved
 
 
 @ray.remote(num_gpus=1, num_cpus=0)

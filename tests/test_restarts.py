@@ -19,7 +19,7 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
 
-from launcher.driver import rayprivate
+from launcher.driver.cluster import stop_simulated
 
 from . import drive
 from .conftest import REPO, connected, free_port, leftovers
@@ -81,8 +81,7 @@ def cluster():
     ray.init(address=c.address, namespace="megaray")
     yield c
     ray.shutdown()
-    rayprivate.stop_monitor(c.head_node)  # a second of Ray's stop (launcher/driver/cluster.py does the same)
-    c.shutdown()
+    stop_simulated(c)  # as megaray stops its own: a second of Ray's stop saved
 
 
 def driver(cluster, job: str, runs: Path, args: str) -> subprocess.Popen:

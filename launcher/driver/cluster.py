@@ -151,7 +151,7 @@ def connect(spec: LaunchSpec, *, exits_after: bool = False) -> Iterator[Cluster]
             ray.shutdown()
         stack.close()
         if sim is not None:
-            _stop_simulated(sim)
+            stop_simulated(sim)
 
 
 def _local_problem(spec: LaunchSpec) -> str | None:
@@ -254,9 +254,9 @@ def _simulate(spec: LaunchSpec):
     return sim
 
 
-def _stop_simulated(sim: Any) -> None:
+def stop_simulated(sim: Any) -> None:
     """Ray's `Cluster.shutdown`, its head's autoscaler monitor killed first (rayprivate.stop_monitor:
-    a second of every simulated launch's end)."""
+    a second of every simulated launch's end); the benches' and tests' clusters stop with it too."""
     if sim.head_node is not None:
         rayprivate.stop_monitor(sim.head_node)
     sim.shutdown()
