@@ -124,12 +124,23 @@ def keep(layout: PoolLayout) -> None:
 
 
 def drop() -> PoolLayout | None:
-    """Give the connected cluster's pool back and forget it; what it was."""
-    layout = recorded()
-    if layout is not None:
+    """Forget the connected cluster's pool, then give it back; what it was.
+
+    Forgotten first: giving it back ends the ranks of a launch that took it, and that launch, ending,
+    refills a pool still recorded (`refill`), starting the processes `down` is giving back, on a Ray
+    that `megaray down` is stopping meanwhile (the driver then hung in Ray's actor creation until
+    Ray's client ended it, a minute later, without its report)."""
+    raw = rayprivate.kv_get(POOL, namespace=RAY_NAMESPACE)
+    if not raw:
+        return None
+    layout = PoolLayout(**json.loads(raw))
+    rayprivate.kv_del(POOL, namespace=RAY_NAMESPACE)
+    rayprivate.kv_del(LEARNED, namespace=RAY_NAMESPACE)
+    try:
         give_back(layout)
-        rayprivate.kv_del(POOL, namespace=RAY_NAMESPACE)
-        rayprivate.kv_del(LEARNED, namespace=RAY_NAMESPACE)
+    except BaseException:  # recorded again, so that the next `down` finds what it has to give back
+        rayprivate.kv_put(POOL, raw.decode(), overwrite=True, namespace=RAY_NAMESPACE)
+        raise
     return layout
 
 
