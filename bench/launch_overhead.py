@@ -176,7 +176,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--first-step", action="store_true", help="to the dry-run trainer's first step")
     args = parser.parse_args(argv)
     results: dict = {}
-    with ray_cluster(nodes=1, cpus_per_node=max(args.ranks)) as address:
+    # a cluster running beside for the attached mode only: the others would share the CPUs with it
+    if "megaray-attached" in args.modes:
+        beside = ray_cluster(nodes=1, cpus_per_node=max(args.ranks))
+    else:
+        beside = contextlib.nullcontext("")
+    with beside as address:
         for n in args.ranks:
             # a pool holds one layout: a `megaray up` (and a `megaray up --warm`) for each rank count
             with (
