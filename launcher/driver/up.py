@@ -196,7 +196,10 @@ def start(
             try:
                 for _ in range(nodes - 1):  # one at a time: raylets registering together time out on 2 cores
                     before = _count_alive()
-                    procs.append(_start_node(["--address", address, *per_node], logs, env))
+                    # one log monitor a machine, as Ray says: each tails the same session's logs
+                    # (what a rank group streams would come twice), for a share of a core each
+                    joined = ["--address", address, "--include-log-monitor", "false", *per_node]
+                    procs.append(_start_node(joined, logs, env))
                     _wait(lambda b=before: _count_alive() > b, procs[-1], logs)
                 state = _recorded(state, procs)
                 if when_ready is not None:
