@@ -90,6 +90,10 @@ def exit_3_on_rank_0():
     time.sleep(60)
 
 
+def exit_with_a_message():
+    sys.exit("bad config: lr must be positive")
+
+
 def wait_forever():
     """Report the pid and block: the test kills or interrupts from outside."""
     _write("pid", {"pid": os.getpid()})

@@ -198,6 +198,12 @@ def test_sys_exit_code_is_reported(capsys):
     # as torchrun's `exitcode: 3`: the program chose to exit, no traceback of SystemExit (#45 item 6)
     assert "traceback :" not in err and "SystemExit" not in err, err[-3000:]
     assert leftovers("exits") == ([], [])
+    # sys.exit("message"): Python prints the message and exits 1; the rank's stderr has it as well
+    args = ("--device", "cpu", "--gpus-per-node", "1", "--entrypoint", "tests.targets:exit_with_a_message")
+    assert launch("exitsays", *args) == 1
+    err = capsys.readouterr().err
+    assert re.search(r"\[r0[^\]]*\] bad config: lr must be positive", err), err[-3000:]
+    assert "exit code : 1" in err and "SystemExit" not in err, err[-3000:]
 
 
 def test_a_killed_rank_takes_the_job_down_fast(out, capsys):

@@ -260,6 +260,9 @@ class RankActor:
                 return RankOutcome(ok=True)
             code = e.code if isinstance(e.code, int) else 1
             what = f"exited with code {code}" + ("" if isinstance(e.code, int) else f": {e.code}")
+            if not isinstance(e.code, int):  # sys.exit("message"): printed, as Python prints it
+                with contextlib.suppress(OSError, ValueError):
+                    print(e.code, file=sys.stderr, flush=True)
             return _failure(FailureKind.EXIT, what, e, code, self.error_file, noise)
         except BaseException as e:
             # as Python prints an exception that ends a program (with exit code 1): the rank's log
