@@ -116,7 +116,7 @@ def keep(layout: PoolLayout) -> None:
     old = recorded()
     if old is not None and old != layout:
         give_back(old)
-    rayprivate.kv_put(POOL, json.dumps(asdict(layout)), overwrite=True, namespace=RAY_NAMESPACE)
+    _record(layout)
     rayprivate.kv_del(LEARNED, namespace=RAY_NAMESPACE)  # a new pool imports what it was asked for
     if len(_groups(layout)) < layout.nodes:
         give_back(layout)  # a part left of an earlier one
@@ -130,18 +130,21 @@ def drop() -> PoolLayout | None:
     refills a pool still recorded (`refill`), starting the processes `down` is giving back, on a Ray
     that `megaray down` is stopping meanwhile (the driver then hung in Ray's actor creation until
     Ray's client ended it, a minute later, without its report)."""
-    raw = rayprivate.kv_get(POOL, namespace=RAY_NAMESPACE)
-    if not raw:
+    layout = recorded()
+    if layout is None:
         return None
-    layout = PoolLayout(**json.loads(raw))
     rayprivate.kv_del(POOL, namespace=RAY_NAMESPACE)
     rayprivate.kv_del(LEARNED, namespace=RAY_NAMESPACE)
     try:
         give_back(layout)
     except BaseException:  # recorded again, so that the next `down` finds what it has to give back
-        rayprivate.kv_put(POOL, raw.decode(), overwrite=True, namespace=RAY_NAMESPACE)
+        _record(layout)
         raise
     return layout
+
+
+def _record(layout: PoolLayout) -> None:
+    rayprivate.kv_put(POOL, json.dumps(asdict(layout)), overwrite=True, namespace=RAY_NAMESPACE)
 
 
 def _spec(layout: PoolLayout) -> LaunchSpec:

@@ -258,9 +258,10 @@ class RankActor:
         except SystemExit as e:
             if e.code in (None, 0):
                 return RankOutcome(ok=True)
-            code = e.code if isinstance(e.code, int) else 1
-            what = f"exited with code {code}" + ("" if isinstance(e.code, int) else f": {e.code}")
-            if not isinstance(e.code, int):  # sys.exit("message"): printed, as Python prints it
+            if isinstance(e.code, int):
+                code, what = e.code, f"exited with code {e.code}"
+            else:  # sys.exit("message"): printed, as Python prints it, and exit code 1
+                code, what = 1, f"exited with code 1: {e.code}"
                 with contextlib.suppress(OSError, ValueError):
                     print(e.code, file=sys.stderr, flush=True)
             return _failure(FailureKind.EXIT, what, e, code, self.error_file, noise)
