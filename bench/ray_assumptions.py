@@ -68,18 +68,26 @@ def held_by_waits(slots: int) -> dict[str, bool]:
 
     out = {}
     plain = ray.remote(concurrency_groups={"control": 1})(Waiter).options(max_concurrency=slots).remote()
+    _started(plain)
     waits = [plain.wait.remote() for _ in range(slots)]
     time.sleep(1)
     out["default group"] = _pong(plain)
     grouped = (
         ray.remote(concurrency_groups={"control": slots + 1})(Waiter).options(max_concurrency=slots).remote()
     )
+    _started(grouped)
     waits += [grouped.wait_in_group.remote() for _ in range(slots)]
     time.sleep(1)
     out["own group"] = _pong(grouped)
     for a in (plain, grouped):
         ray.kill(a)
     return out
+
+
+def _started(actor) -> None:
+    """The actor up before its calls are sent: its worker process can take more than the 3 s a ping
+    is given on a busy machine (a CI run's own tests beside it), which read as held when it was not."""
+    ray.get(actor.__ray_ready__.remote(), timeout=120)
 
 
 def _pong(actor) -> bool:

@@ -422,11 +422,11 @@ def test_sigterm_while_up_starts_its_nodes_leaves_nothing(env):
         assert up.poll() is None and time.monotonic() < deadline, up.communicate()
         time.sleep(0.1)
     up.send_signal(signal.SIGTERM)
-    t0 = time.monotonic()
     _, err = up.communicate(timeout=90)
     assert up.returncode == 143, err[-3000:]
-    # Ray's SIGTERM handler drained a node still starting for 30 s, then megaray killed it
-    assert time.monotonic() - t0 < 25, err[-3000:]
+    # Ray's SIGTERM handler drained a node still starting for 30 s (its log says so), then megaray
+    # killed it; the seconds the up takes to end are not asserted (a busy machine sets them)
+    assert "Draining for up to" not in (Path(state) / "up.log").read_text()
     assert "interrupted by SIGTERM: stopped the nodes started so far" in err and "Traceback" not in err
     assert processes_under(state) == [] and not (Path(state) / "up.json").exists()
 

@@ -35,6 +35,12 @@ from .owned import is_still, session_members, start_ticks
 log = logging.getLogger("megaray")
 
 NODE_START_TIMEOUT_S = 90.0
+# An up interrupted while its nodes start: nothing of a user's runs there yet, so Ray's processes are
+# given this long to end on SIGTERM, not a running node's 30 s. A node's dashboard and runtime-env
+# agents, still importing, look for their raylet only once up (12-14 s after the SIGTERM on a busy
+# 2-core machine, 30 s in a CI run), and a `ray start` inside a call to the GCS acts on it only when
+# that call returns.
+STARTING_GRACE_S = 3.0
 
 
 def state_dir() -> Path:
@@ -209,7 +215,7 @@ def start(
     except BaseException as e:
         for sig in (signal.SIGINT, signal.SIGTERM):  # the nodes are stopped whatever comes now
             signal.signal(sig, signal.SIG_IGN)
-        stop(_recorded(state, procs))
+        stop(_recorded(state, procs), wait_s=STARTING_GRACE_S, sweep_s=STARTING_GRACE_S)
         if isinstance(e, SystemExit) and e.code == signal.SIGTERM:  # Ray's driver handler: sys.exit(15)
             raise Interrupted(signal.SIGTERM, "SIGTERM") from None
         if isinstance(e, KeyboardInterrupt):
@@ -298,9 +304,10 @@ def _recorded(state: Standing, procs: list[subprocess.Popen]) -> Standing:
     return dataclasses.replace(state, pids=tuple(p.pid for p in procs), starts=starts)
 
 
-def stop(state: Standing, wait_s: float = 30.0) -> list[int]:
+def stop(state: Standing, wait_s: float = 30.0, sweep_s: float = 10.0) -> list[int]:
     """SIGTERM each node's `ray start --block` (workers first), then SIGKILL its process group if it
-    is still there after `wait_s`; then whatever Ray process of those nodes' sessions is left. Only
+    is still there after `wait_s`; then whatever Ray process of those nodes' sessions is left
+    `sweep_s` later. Only
     processes megaray started are signalled (driver/owned.py): a recorded pid that is now another
     process, and anything outside the nodes' sessions, are left alone. Returns the pids killed."""
     nodes = list(reversed(state.nodes_started()))
@@ -320,7 +327,7 @@ def stop(state: Standing, wait_s: float = 30.0) -> list[int]:
             killed.append(pid)
         with contextlib.suppress(ChildProcessError, OSError):
             os.waitpid(pid, os.WNOHANG)
-    killed += _sweep(nodes)
+    killed += _sweep(nodes, sweep_s)
     with contextlib.suppress(OSError):
         _path().unlink()
     with contextlib.suppress(OSError):
