@@ -207,14 +207,11 @@ def test_sys_exit_code_is_reported(capsys):
 
 
 def test_a_killed_rank_takes_the_job_down_fast(out, capsys):
-    killed_at = {}
-
     def kill_rank_1():
         pid_file = out / "pid-rank1.json"
         deadline = time.monotonic() + 60
         while not pid_file.exists() and time.monotonic() < deadline:
             time.sleep(0.05)
-        killed_at["t"] = time.monotonic()
         os.kill(json.loads(pid_file.read_text())["pid"], signal.SIGKILL)
 
     killer = threading.Thread(target=kill_rank_1, daemon=True)
@@ -229,9 +226,7 @@ def test_a_killed_rank_takes_the_job_down_fast(out, capsys):
         "tests.targets:wait_forever",
         out=out,
     )
-    returned_after = time.monotonic() - killed_at["t"]
-    assert code == 1
-    assert returned_after < 5, f"the launcher took {returned_after:.1f}s to notice and tear down"
+    assert code == 1  # how fast: bench/failures.py's "rank death", against torchrun (not a timed assert)
     err = capsys.readouterr().err
     # whichever told first, the node (as the process started to exit) or Ray (once it was gone)
     assert "rank      : 1 of 2" in err and "SIGKILL" in err and "a signal sent from outside the job" in err
@@ -245,7 +240,7 @@ def test_a_dead_forwarder_ends_the_job_in_seconds_saying_so_not_as_a_hang(out, c
 
     from .conftest import connected
 
-    killed_at = {}
+    killed = []
 
     def kill_the_forwarder():
         deadline = time.monotonic() + 60
@@ -253,8 +248,8 @@ def test_a_dead_forwarder_ends_the_job_in_seconds_saying_so_not_as_a_hang(out, c
             mine = [("class_name", "=", "NodeForwarder"), ("state", "=", "ALIVE")]
             alive = list_actors(address=connected(), filters=mine, detail=True)
             if alive and (out / "pid-rank1.json").exists() and (out / "pid-rank0.json").exists():
-                killed_at["t"] = time.monotonic()
                 os.kill(alive[0].pid, signal.SIGKILL)
+                killed.append(alive[0].pid)
                 return
             time.sleep(0.1)
 
@@ -262,9 +257,8 @@ def test_a_dead_forwarder_ends_the_job_in_seconds_saying_so_not_as_a_hang(out, c
     killer.start()
     code = launch("noforwarder", "--device", "cpu", "--gpus-per-node", "2", "--hang-timeout", "120",
                   "--entrypoint", "tests.targets:wait_forever", out=out)  # fmt: skip
-    returned_after = time.monotonic() - killed_at["t"]
     err = capsys.readouterr().err
-    assert code == 1 and returned_after < 20, (returned_after, err[-3000:])
+    assert killed and code == 1, err[-3000:]
     assert "its node's output forwarder (megaray's helper process there) died while the rank ran" in err
     assert "no output or progress" not in err
     assert leftovers("noforwarder") == ([], [])
