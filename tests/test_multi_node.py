@@ -253,12 +253,20 @@ def test_colocated_rank_groups_take_turns_on_the_same_gpus(cluster):
 
 
 CHATTY = """
-import os, sys
+import os, sys, time
 rank = int(os.environ["RANK"])
 print(f"hello from rank {rank}")
 print(f"stderr of rank {rank}", file=sys.stderr)
 os.system(f"echo from a child process of rank {rank}")  # file descriptors are captured, not sys.stdout
+sys.stdout.flush()
+said = os.path.join(os.environ["MEGARAY_TEST_OUT"], "said-{}")
+open(said.format(rank), "w").close()
 if rank == 3 and os.environ.get("FAIL_LAST"):
+    # once every rank has printed (on a busy machine rank 0 may start after this one): what was printed
+    # before a failure reaches the console
+    deadline = time.monotonic() + 60
+    while not all(os.path.exists(said.format(r)) for r in range(4)) and time.monotonic() < deadline:
+        time.sleep(0.05)
     raise RuntimeError("rank three gives up")
 """
 
