@@ -352,34 +352,34 @@ def test_the_megatron_target_names_a_rank_whose_forward_steps_are_slow_and_nobod
 def test_nodes_min_max_starts_on_what_the_cluster_holds_and_goes_on_with_fewer_after_a_lost_node(
     cluster, tmp_path
 ):
-    """`--nodes 2:4` on a cluster of 3 nodes that can hold a group: after --placement-timeout it runs on
-    3, TP 2 x DP 3 (the global batch kept for every size); a node lost with no replacement relaunches
-    at once on the 2 left, which resume from the last checkpoint at DP 2; exit 0, nothing left."""
+    """`--nodes 1:3` on a cluster of 2 nodes that can hold a group: after --placement-timeout it runs on
+    2, TP 2 x DP 2 (the global batch kept for every size); a node lost with no replacement relaunches
+    at once on the one left, which resumes from the last checkpoint at DP 1; exit 0, nothing left.
+    Last in this module: it leaves the cluster a node short."""
     runs, ckpt = tmp_path / "runs", tmp_path / "ckpt"
     job = "elastic"
-    cluster.add_node(**NODE)
     args = (
-        "--nodes 2:4 --gpus-per-node 2 --max-restarts 1 --no-spares --placement-timeout 5 "
+        "--nodes 1:3 --gpus-per-node 2 --max-restarts 1 --no-spares --placement-timeout 5 "
         f"--dry-run steps=25 save={ckpt} save_every=5 tp=2 pp=1 global_batch=48"
     )
     proc = driver(cluster, job, runs, args)
     wait_for_line(runs / job / "rank-0.log", r"saved checkpoint at iteration 5\b", proc, timeout_s=240)
     topology = json.loads((runs / job / "topology.json").read_text())
     assert topology["nodes"] == {
-        "asked": "2:4", "running": 3, "why": "3 of 4 node(s): the cluster holds 3"
-    } and len(topology["ranks"]) == 6  # fmt: skip
-    cluster.remove_node(_node_of_rank(cluster, runs, job, 5))
+        "asked": "1:3", "running": 2, "why": "2 of 3 node(s): the cluster holds 2"
+    } and len(topology["ranks"]) == 4  # fmt: skip
+    cluster.remove_node(_node_of_rank(cluster, runs, job, 3))
     out, _ = proc.communicate(timeout=300)
     assert proc.returncode == 0, out[-5000:]
-    assert "restart 1 of 1 after: rank" in out and "at least 2" in out, out[-5000:]
-    assert "job elastic runs on 2 of 4 node(s)" in out, out[-5000:]
+    assert "restart 1 of 1 after: rank" in out and "at least 1" in out, out[-5000:]
+    assert "job elastic runs on 1 of 3 node(s)" in out, out[-5000:]
     log = (runs / job / "rank-0.log").read_text()
     before, after = log.split("resumed from checkpoint at iteration ")
     resumed = int(after.split()[0])
-    assert after.split("\n")[0].endswith("at DP 2 (saved at DP 3)"), after[:200]
+    assert after.split("\n")[0].endswith("at DP 1 (saved at DP 2)"), after[:200]
     assert resumed == max(int(n) for n in re.findall(r"saved checkpoint at iteration (\d+)", before))
     topology = json.loads((runs / job / "topology.json").read_text())
-    assert topology["nodes"]["running"] == 2 and len(topology["ranks"]) == 4
-    trained = re.search(r"TP 2 x PP 1 x DP 2: loss [\d.]+ -> [\d.]+ over (\d+) steps", out)
+    assert topology["nodes"]["running"] == 1 and len(topology["ranks"]) == 2
+    trained = re.search(r"TP 2 x PP 1 x DP 1: loss [\d.]+ -> [\d.]+ over (\d+) steps", out)
     assert trained and int(trained.group(1)) == 25 - resumed, out[-3000:]
     assert leftovers(job) == ([], [])
