@@ -40,11 +40,13 @@ def ray_cluster(nodes: int, cpus_per_node: int, gpus_per_node: int = 0) -> Itera
     yields its address. Only its own processes are stopped, never another Ray on the machine."""
     from ray.cluster_utils import Cluster
 
+    from launcher.driver.cluster import SIMULATED_NODE
+
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     args = {"num_cpus": cpus_per_node, "num_gpus": gpus_per_node}
     cluster = Cluster(initialize_head=True, head_node_args={**args, "include_dashboard": False})
     for _ in range(nodes - 1):
-        cluster.add_node(**args)
+        cluster.add_node(**args, **SIMULATED_NODE)
     cluster.wait_for_nodes()
     try:
         yield cluster.address

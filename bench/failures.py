@@ -91,6 +91,8 @@ def once(cluster, scenario: str, job: str, hang_timeout: float) -> tuple[float, 
     """A killed rank, a lost node or a hang: (seconds to ranks gone and groups removed, to exit)."""
     import ray
 
+    from launcher.driver.cluster import SIMULATED_NODE
+
     runs = Path(tempfile.mkdtemp(prefix="megaray-failures-"))
     (runs / "loop.py").write_text(LOOP)
     hang = hang_timeout if scenario == "hang" else 0
@@ -132,7 +134,7 @@ def once(cluster, scenario: str, job: str, hang_timeout: float) -> tuple[float, 
         if p.poll() is None:
             p.kill()
         if scenario == "node loss":
-            cluster.add_node(num_cpus=2)
+            cluster.add_node(num_cpus=2, **SIMULATED_NODE)
             cluster.wait_for_nodes()
 
 
@@ -226,13 +228,15 @@ def main(argv: list[str] | None = None) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
+    from launcher.driver.cluster import SIMULATED_NODE
+
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 0, "dashboard_port": free_port(), "_system_config": HEALTH},
     )
     for _ in range(2):
-        cluster.add_node(num_cpus=2)
+        cluster.add_node(num_cpus=2, **SIMULATED_NODE)
     cluster.wait_for_nodes()
     ray.init(address=cluster.address, log_to_driver=False)
     results: dict[str, list[tuple[float, float]]] = {}

@@ -17,7 +17,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launcher.cli import main
-from launcher.driver.cluster import stop_simulated
+from launcher.driver.cluster import SIMULATED_NODE, stop_simulated
 
 from . import drive
 from .conftest import REPO, free_port, leftovers, read_ranks
@@ -39,8 +39,8 @@ def cluster():
         },
     )
     # Node A has 3 GPUs (one of them taken by someone else below) and its own environment.
-    c.add_node(num_cpus=4, num_gpus=3, resources={"node_a": 1}, env_vars=NODE_A_ENV)
-    c.add_node(num_cpus=4, num_gpus=2, resources={"node_b": 1})
+    c.add_node(num_cpus=4, num_gpus=3, resources={"node_a": 1}, env_vars=NODE_A_ENV, **SIMULATED_NODE)
+    c.add_node(num_cpus=4, num_gpus=2, resources={"node_b": 1}, **SIMULATED_NODE)
     c.wait_for_nodes()
     ray.init(address=c.address, namespace="megaray")
     yield c

@@ -19,7 +19,7 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
 
-from launcher.driver.cluster import stop_simulated
+from launcher.driver.cluster import SIMULATED_NODE, stop_simulated
 
 from . import drive
 from .conftest import REPO, connected, free_port, leftovers
@@ -30,7 +30,7 @@ from common import throttle
 # Ray declares a node dead after health_check_failure_threshold missed checks, one every
 # health_check_period_ms (defaults: 5 x 3 s): faster here, as the README shows how to set it.
 HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
-NODE = {"num_cpus": 2, "num_gpus": 2}
+NODE = {"num_cpus": 2, "num_gpus": 2, **SIMULATED_NODE}
 
 LOOP = """
 import os, time

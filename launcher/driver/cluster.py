@@ -232,6 +232,12 @@ def quiet_raylet(on: bool) -> None:
     rayprivate.show_worker_logs(not on)
 
 
+# A simulated node beside the head writes its logs where the head's do (one machine, one session):
+# the head's log monitor tails them all, a second one would tail the same files again (a share of a
+# core each, and every line published twice), as `ray start` says of one log monitor per machine.
+SIMULATED_NODE = {"include_log_monitor": False}
+
+
 def _simulate(spec: LaunchSpec):
     """N local raylets with declared GPUs: the whole multi-node path on one machine."""
     from ray.cluster_utils import Cluster as RayCluster
@@ -249,7 +255,7 @@ def _simulate(spec: LaunchSpec):
     logging.getLogger("ray._private.utils").setLevel(logging.WARNING)  # "Overwriting previous Ray address"
     sim = RayCluster(initialize_head=True, head_node_args={**per_node, "include_dashboard": False})
     for _ in range(spec.nodes - 1):
-        sim.add_node(**per_node)
+        sim.add_node(**per_node, **SIMULATED_NODE)
     sim.wait_for_nodes()
     return sim
 
