@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -21,6 +23,24 @@ from .conftest import free_port
 
 BIN = os.path.dirname(sys.executable)
 
+# `RayStartCluster.query`'s process: a line of JSON (the code) in, a line of JSON (its `result`, or the
+# error) out, for as long as the cluster runs.
+ASKER = """
+import json, sys, traceback
+from ray.job_submission import JobSubmissionClient
+from ray.util.state import list_actors, list_nodes, list_placement_groups
+URL = sys.argv[1]
+for line in sys.stdin:
+    scope = dict(globals())
+    try:
+        scope["client"] = JobSubmissionClient(URL)
+        exec(json.loads(line), scope)
+        answer = {"result": scope["result"]}
+    except Exception:
+        answer = {"error": traceback.format_exc()[-3000:]}
+    print(json.dumps(answer), flush=True)
+"""
+
 
 @dataclass
 class RayStartCluster:
@@ -30,19 +50,34 @@ class RayStartCluster:
     env: dict[str, str]  # what the nodes run with (RAY_AUTH_MODE=token and the token path)
     tmp: Path
     procs: list[subprocess.Popen] = field(default_factory=list)
+    _asker: subprocess.Popen | None = None  # the process that runs `query`'s code
 
-    def query(self, code: str) -> object:
-        """Run `code` (which sets `result`) in a fresh process connected to the head; return result."""
-        prog = (
-            "import json\nfrom ray.job_submission import JobSubmissionClient\n"
-            "from ray.util.state import list_actors, list_placement_groups\n"
-            f"URL = {self.url!r}\nclient = JobSubmissionClient(URL)\n{code}\nprint(json.dumps(result))\n"
-        )
-        done = subprocess.run(
-            [sys.executable, "-c", prog], env=self.env, capture_output=True, text=True, timeout=60
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
-        return json.loads(done.stdout.strip().splitlines()[-1])
+    def query(self, code: str, timeout_s: float = 60) -> object:
+        """Run `code` (which sets `result`) in a process connected to the head; return result. One
+        process per cluster answers them all: a fresh one each (importing Ray's job client and state
+        API, 2-3 CPU-s on 2 cores) cost the suite minutes, polled as some of these are."""
+        if self._asker is None or self._asker.poll() is not None:
+            self._asker = subprocess.Popen(
+                [sys.executable, "-c", ASKER, self.url], env=self.env, stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True,
+            )  # fmt: skip
+        asker = self._asker
+        asker.stdin.write(json.dumps(code) + "\n")
+        asker.stdin.flush()
+        ready, _, _ = select.select([asker.stdout], [], [], timeout_s)
+        line = asker.stdout.readline() if ready else ""
+        if not line:
+            self._close_asker()
+            raise AssertionError(f"no answer within {timeout_s:g}s to:\n{code}")
+        answer = json.loads(line)
+        assert "error" not in answer, answer.get("error")
+        return answer["result"]
+
+    def _close_asker(self) -> None:
+        asker, self._asker = self._asker, None
+        if asker is not None and asker.poll() is None:
+            asker.kill()
+            asker.wait()
 
     def status(self, job: str) -> str:
         return self.query(f"result = client.get_job_status({job!r}).value")
@@ -72,10 +107,7 @@ result = [actors, groups]
         return actors, groups
 
     def nodes_alive(self) -> int:
-        return self.query(
-            "import ray\nray.init(address=" + repr(self.gcs) + ", log_to_driver=False)\n"
-            "result = sum(n['Alive'] for n in ray.nodes())"
-        )
+        return self.query("result = sum(n.state == 'ALIVE' for n in list_nodes(address=URL))")
 
     def _start(self, args: str, name: str) -> subprocess.Popen:
         log = open(self.tmp / f"{name}.log", "w")  # noqa: SIM115
@@ -110,7 +142,7 @@ result = [actors, groups]
                 raise RuntimeError(
                     f"ray start ({name}) did not come up:\n" + (self.tmp / f"{name}.log").read_text()[-3000:]
                 )
-            time.sleep(1)
+            time.sleep(0.3)
 
     @staticmethod
     def stop_node(proc: subprocess.Popen) -> None:
@@ -123,6 +155,7 @@ result = [actors, groups]
             os.killpg(proc.pid, signal.SIGKILL)
 
     def stop(self) -> None:
+        self._close_asker()
         for proc in reversed(self.procs):  # workers before the head
             self.stop_node(proc)
 
@@ -147,16 +180,27 @@ def start_cluster(num_cpus: int, num_gpus: int = 0, **config: str) -> RayStartCl
         **config,
     }
     env.pop("RAY_ADDRESS", None)
-    port, dash = free_port(), free_port()
+    port, dash, agent = free_port(), free_port(), free_port()
     c = RayStartCluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", token, env, tmp)
     head = c._start(
         f"--head --port {port} --node-ip-address 127.0.0.1 --dashboard-host 127.0.0.1 "
         f"--dashboard-port {dash} --include-dashboard true --num-cpus {num_cpus} --num-gpus {num_gpus} "
         # ports of its own for the job agent and the client server, whose defaults (52365, 10001) another
         # Ray on this machine may hold: then no job can be submitted ("No available agent")
-        f"--dashboard-agent-listen-port {free_port()} --ray-client-server-port {free_port()} "
+        f"--dashboard-agent-listen-port {agent} --ray-client-server-port {free_port()} "
         f"--temp-dir {tmp}",
         "head",
     )
-    c._wait(lambda: c.jobs() is not None, head, "head")
+    # up when the job API answers, the head's raylet has registered and its job agent listens: a head
+    # still starting its agent, its GCS stopped meanwhile (test_addresses), went down whole (its raylet
+    # ends with an agent that fails, and `ray start --block` then kills every process of the node)
+    c._wait(lambda: c.jobs() is not None and c.nodes_alive() == 1 and _listening(agent), head, "head")
     return c
+
+
+def _listening(port: int) -> bool:
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=1):
+            return True
+    except OSError:
+        return False
