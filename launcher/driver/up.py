@@ -307,9 +307,9 @@ def _recorded(state: Standing, procs: list[subprocess.Popen]) -> Standing:
 def stop(state: Standing, wait_s: float = 30.0, sweep_s: float = 10.0) -> list[int]:
     """SIGTERM each node's `ray start --block` (workers first), then SIGKILL its process group if it
     is still there after `wait_s`; then whatever Ray process of those nodes' sessions is left
-    `sweep_s` later. Only
-    processes megaray started are signalled (driver/owned.py): a recorded pid that is now another
-    process, and anything outside the nodes' sessions, are left alone. Returns the pids killed."""
+    `sweep_s` later. Only processes megaray started are signalled (driver/owned.py): a recorded pid
+    that is now another process, and anything outside the nodes' sessions, are left alone. Returns
+    the pids killed."""
     nodes = list(reversed(state.nodes_started()))
     mark_stopping(state)
     for pid, started in nodes:
