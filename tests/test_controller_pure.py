@@ -15,6 +15,7 @@ from launcher.core.elastic import GrowTo
 from launcher.core.errors import FailureKind, Interrupted, RankFailedError, RankFailure, ResourceError
 from launcher.core.outcome import LaunchState, run_outcome
 from launcher.core.policy import FailureDecision, FailurePolicy
+from launcher.core.poll import AllReturned, RanksFailed, StillRunning
 from launcher.driver.controller import RELAUNCHED, REMOVED, Controller, LaunchObserver, RestartKind
 
 P, S, R, F = LaunchState.PLACING, LaunchState.STARTING, LaunchState.RUNNING, LaunchState.FINISHING
@@ -30,7 +31,8 @@ def failed(kind: FailureKind = FailureKind.DIED, at: float = 1.0, summary: str =
 
 
 class FakeAttempt:
-    """`script[state method] = exception` makes that method raise; the rest succeed."""
+    """`script[state method] = exception` makes that method raise, or is what `poll` finds (a rank
+    failure, a grow); the rest succeed."""
 
     def __init__(self, number: int, spares, events: list, script: dict | None = None, growing: bool = False):
         self.number, self.spares_in, self.events, self.script = number, spares, events, script or {}
@@ -50,8 +52,14 @@ class FakeAttempt:
     def start(self):
         self._step("start")
 
-    def watch(self):
-        self._step("watch")
+    def poll(self):
+        """A scripted rank failure or grow is what the look finds (core/poll.py); anything else raises."""
+        found = self.script.get("poll")
+        if isinstance(found, RankFailedError | GrowTo):
+            self.events.append(("poll", self.number))
+            return RanksFailed(found) if isinstance(found, RankFailedError) else found
+        self._step("poll")
+        return AllReturned(())
 
     def finish(self):
         self._step("finish")
@@ -109,8 +117,23 @@ def test_an_attempt_steps_placing_starting_running_finishing_succeeded():
     assert c.run() == "result of attempt 0"
     assert [s for s, _ in c.history] == [P, S, R, F, LaunchState.SUCCEEDED]
     assert [at for _, at in c.history] == sorted(at for _, at in c.history)
-    assert events == [("place", 0), ("start", 0), ("watch", 0), ("finish", 0), ("teardown", 0)]
+    assert events == [("place", 0), ("start", 0), ("poll", 0), ("finish", 0), ("teardown", 0)]
     assert c.attempt is None and c.state is LaunchState.SUCCEEDED
+
+
+def test_running_is_looked_at_until_the_look_finds_an_end_and_is_one_state_in_the_history():
+    events: list = []
+
+    class RunsThreeLooks(FakeAttempt):
+        looks = 0
+
+        def poll(self):
+            self.looks += 1
+            return AllReturned(()) if self.looks == 3 else StillRunning()
+
+    c = Controller(FailurePolicy(0), lambda k, s, g: RunsThreeLooks(k, s, events))
+    assert c.run() == "result of attempt 0" and c.last_attempt.looks == 3
+    assert [s for s, _ in c.history] == [P, S, R, F, LaunchState.SUCCEEDED]
 
 
 def test_a_start_failure_is_an_error_and_the_attempt_is_torn_down():
@@ -143,7 +166,7 @@ def test_a_rank_failure_with_no_restart_left_fails_the_launch(kind, summary):
     """A dead rank, a hang, a lost node, an exception: each ends the same way with no restarts."""
     events: list = []
     error = failed(kind, summary=summary)
-    c = controller(0, {0: {"watch": error}}, events)
+    c = controller(0, {0: {"poll": error}}, events)
     with pytest.raises(RankFailedError) as e:
         c.run()
     assert e.value is error and e.value.ending == REMOVED
@@ -153,12 +176,12 @@ def test_a_rank_failure_with_no_restart_left_fails_the_launch(kind, summary):
 
 def test_a_restart_hands_the_spares_over_before_teardown_and_is_recorded(capsys):
     events: list = []
-    c = controller(2, {0: {"watch": failed(at=1.0)}, 1: {"watch": failed(at=2.0)}}, events)
+    c = controller(2, {0: {"poll": failed(at=1.0)}, 1: {"poll": failed(at=2.0)}}, events)
     assert c.run() == "result of attempt 2"
     assert events == [
-        ("place", 0), ("start", 0), ("watch", 0), ("hand_over", 0), ("teardown", 0),
-        ("place", 1), ("start", 1), ("watch", 1), ("hand_over", 1), ("teardown", 1),
-        ("place", 2), ("start", 2), ("watch", 2), ("finish", 2), ("teardown", 2),
+        ("place", 0), ("start", 0), ("poll", 0), ("hand_over", 0), ("teardown", 0),
+        ("place", 1), ("start", 1), ("poll", 1), ("hand_over", 1), ("teardown", 1),
+        ("place", 2), ("start", 2), ("poll", 2), ("finish", 2), ("teardown", 2),
     ]  # fmt: skip
     assert [s for s, _ in c.history] == [
         P,
@@ -184,7 +207,7 @@ def test_a_restart_hands_the_spares_over_before_teardown_and_is_recorded(capsys)
 
 def test_the_last_failure_is_raised_once_restarts_run_out():
     events: list = []
-    c = controller(1, {0: {"watch": failed(at=0.0)}, 1: {"watch": failed(at=1.0)}}, events)
+    c = controller(1, {0: {"poll": failed(at=0.0)}, 1: {"poll": failed(at=1.0)}}, events)
     with pytest.raises(RankFailedError) as e:
         c.run()
     (recorder,) = c.observers  # told of both failures, the one relaunch, and the end
@@ -207,7 +230,7 @@ def test_a_crash_on_the_way_out_is_a_failure_the_policy_restarts():
 
 def test_a_failed_relaunch_placement_records_that_no_spares_were_taken():
     events: list = []
-    scripts = {0: {"watch": failed()}, 1: {"place": ResourceError("gone")}}
+    scripts = {0: {"poll": failed()}, 1: {"place": ResourceError("gone")}}
 
     def no_spares(k, spares, growing):
         return FakeAttempt(k, None, events, scripts.get(k))  # the spares could not take over
@@ -218,7 +241,7 @@ def test_a_failed_relaunch_placement_records_that_no_spares_were_taken():
     assert c.restarts[0].warm_spares is False and c.state is LaunchState.ERROR
 
 
-@pytest.mark.parametrize("state_method", ["place", "start", "watch", "finish"])
+@pytest.mark.parametrize("state_method", ["place", "start", "poll", "finish"])
 def test_ctrl_c_in_any_state_is_interrupted_and_tears_down(state_method):
     events: list = []
     c = controller(2, {0: {state_method: Interrupted(signal.SIGINT, "SIGINT")}}, events)
@@ -236,7 +259,7 @@ def test_sigterm_during_a_restarts_teardown_ends_the_launch_interrupted():
             super().teardown()
             raise Interrupted(signal.SIGTERM, "SIGTERM")
 
-    c = Controller(FailurePolicy(3), lambda k, s, g: StoppedInTeardown(k, s, events, {"watch": failed()}))
+    c = Controller(FailurePolicy(3), lambda k, s, g: StoppedInTeardown(k, s, events, {"poll": failed()}))
     with pytest.raises(Interrupted):
         c.run()
     assert c.state is LaunchState.INTERRUPTED and events.count(("teardown", 0)) == 1
@@ -245,7 +268,7 @@ def test_sigterm_during_a_restarts_teardown_ends_the_launch_interrupted():
 
 def test_states_are_reported_as_they_happen():
     states: list = []
-    c = controller(1, {0: {"watch": failed()}}, [], states)
+    c = controller(1, {0: {"poll": failed()}}, [], states)
     c.run()
     assert states == [s for s, _ in c.history[1:]]  # placing is where every launch begins
 
@@ -425,7 +448,7 @@ def test_growing_relaunches_without_counting_against_max_restarts():
     events: list = []
     grow = GrowTo(3, "the cluster has room for 3 node(s)")
     attempts: list = []
-    c = controller(1, {0: {"watch": grow}, 1: {"watch": failed()}}, events, made=attempts)
+    c = controller(1, {0: {"poll": grow}, 1: {"poll": failed()}}, events, made=attempts)
     assert c.run() == "result of attempt 2"
     again = [RESTARTING, P, S, R]
     assert [s for s, _ in c.history] == [P, S, R, *again, *again, F, LaunchState.SUCCEEDED]

@@ -10,9 +10,17 @@ import signal
 
 import pytest
 
+from launcher.core.elastic import GrowTo
 from launcher.core.errors import Interrupted, RankFailedError, RankFailure
+from launcher.core.poll import AllReturned, RanksFailed, StillRunning
 from launcher.driver.stop import StopSignal
-from launcher.driver.supervise import PEER_WAIT_S, ROOT_CAUSE_WINDOW_S, STARTUP_GRACE_S, supervise
+from launcher.driver.supervise import (
+    PEER_WAIT_S,
+    ROOT_CAUSE_WINDOW_S,
+    STARTUP_GRACE_S,
+    Supervision,
+    supervise,
+)
 
 
 class Clock:
@@ -80,12 +88,30 @@ def test_every_rank_returning_gives_the_values_by_rank():
     clock = Clock()
     gang = FakeGang(clock, {0: (1.0, True, "a"), 1: (3.0, True, "b"), 2: (2.0, True, "c")})
     ticks = []
-    assert supervise(gang, gang.refs(), StopSignal(), tick=lambda: ticks.append(1), clock=clock) == (
-        "a",
-        "b",
-        "c",
-    )
+    checks = lambda: ticks.append(1)  # noqa: E731
+    assert supervise(gang, gang.refs(), StopSignal(), checks=checks, clock=clock) == ("a", "b", "c")
     assert ticks  # the spares are tended on every turn
+
+
+def test_each_look_says_what_it_found_typed_and_a_grow_found_by_the_checks_ends_it():
+    """The controller decides from what one look finds (core/poll.py): nothing yet, every rank back,
+    or what the checks found (a grow here), never an exception out of a callback."""
+    clock = Clock()
+    gang = FakeGang(clock, {0: (1.0, True, "a"), 1: (1.0, True, "b"), 2: (1.0, True, "c")})
+    watch = Supervision(gang, gang.refs(), clock=clock)
+    assert watch.poll() == StillRunning() and clock.now < 1.0
+    while (found := watch.poll()) == StillRunning():
+        pass
+    assert found == AllReturned(("a", "b", "c")) and watch.poll() == found
+
+    clock = Clock()
+    gang = FakeGang(clock, {0: (9.0, True, "a")})
+    grow = GrowTo(3, "room for 3")
+    watch = Supervision(gang, gang.refs(), checks=lambda: grow if clock.now >= 2.0 else None, clock=clock)
+    looks = []
+    while (found := watch.poll()) == StillRunning():
+        looks.append(clock.now)
+    assert found is grow and 2.0 <= clock.now < 2.5 and len(looks) >= 8
 
 
 def test_calls_that_end_together_are_collected_in_one_pass_not_one_wait_each():
@@ -134,12 +160,11 @@ def test_a_lost_node_told_by_the_node_checks_is_the_cause_of_a_peer_s_connection
     lost = failure(1, "died", at=4.0, summary="its node 10.0.0.2 was lost")
     gang = FakeGang(clock, {0: (1.0, False, peer)})
 
-    def tick() -> None:
-        if clock.now >= 4.0:
-            raise RankFailedError([lost], gang.world_size)
+    def checks() -> RanksFailed | None:
+        return RanksFailed(RankFailedError([lost], gang.world_size)) if clock.now >= 4.0 else None
 
     with pytest.raises(RankFailedError) as e:
-        supervise(gang, gang.refs(), StopSignal(), tick=tick, clock=clock)
+        supervise(gang, gang.refs(), StopSignal(), checks=checks, clock=clock)
     assert e.value.root.summary == "its node 10.0.0.2 was lost" and [f.rank for f in e.value.failures] == [
         1,
         0,

@@ -110,9 +110,10 @@ class GrowPolicy:
         return " or ".join(how) or "at its next failure"
 
 
-class GrowTo(Exception):
-    """End this attempt and relaunch on up to `nodes` nodes."""
+@dataclass(frozen=True)
+class GrowTo:
+    """End this attempt and relaunch on up to `nodes` nodes: what a look at a running attempt below
+    MAX nodes finds once the cluster has room (core/poll.py)."""
 
-    def __init__(self, nodes: int, why: str):
-        super().__init__(why)
-        self.nodes, self.why = nodes, why
+    nodes: int
+    why: str

@@ -1,6 +1,6 @@
 """One run of every rank: a rank gang (driver/gang.py) with its output relay (driver/relay.py) and,
-while restarts are left, the warm spares of the next attempt (driver/spares.py), watched by
-`supervise()` (driver/supervise.py). It has a method for each state of the controller
+while restarts are left, the warm spares of the next attempt (driver/spares.py), looked at by a
+`Supervision` (driver/supervise.py). It has a method for each state of the controller
 (driver/controller.py), and a teardown that ends it whatever state it reached: every actor killed,
 every placement group removed (unless handed to the next attempt with its spares).
 """
@@ -17,9 +17,10 @@ from typing import Any
 
 import ray
 
-from ..core.elastic import GrowPolicy
+from ..core.elastic import GrowPolicy, GrowTo
 from ..core.errors import RankFailedError
 from ..core.metrics import MetricsMode, rank_labels
+from ..core.poll import AllReturned, PollStatus, RanksFailed
 from ..core.spec import LaunchSpec
 from ..core.target import Target
 from .cluster import Cluster
@@ -33,7 +34,7 @@ from .rundir import RunDir
 from .spares import SparePool
 from .stop import StopSignal
 from .stragglers import StragglerWatch
-from .supervise import supervise
+from .supervise import Supervision
 from .targets import runner_for
 
 log = logging.getLogger("megaray")
@@ -114,6 +115,7 @@ class Attempt:
         self.handed_over = False
         self.relay: OutputRelay | None = None
         self.refs: list = []  # each rank's run, by rank
+        self.supervision: Supervision | None = None  # once the ranks run
         self.returns: tuple[Any, ...] = ()
         self.succeeded = False
         self.failure: RankFailedError | None = None
@@ -189,17 +191,25 @@ class Attempt:
         self.refs = gang.run(spec.target, spec.cwd)
         gang.mark("started")
 
-    def watch(self) -> None:
-        """Until every rank returned; the first failure or a hang raises RankFailedError."""
-        try:
-            self.returns = supervise(
-                self.gang, self.refs, self.stop, relay=self.relay, hang_timeout_s=self.spec.hang_timeout_s,
-                tick=self._tick,
-            )  # fmt: skip
-        except RankFailedError as e:
-            self.failure = e
-            raise
-        self.gang.mark("finished")
+    def poll(self) -> PollStatus:
+        """One look at the running ranks (up to a quarter of a second): still running, every rank
+        returned, a failure or a hang, or time to grow."""
+        if self.supervision is None:
+            self.supervision = Supervision(
+                self.gang,
+                self.refs,
+                relay=self.relay,
+                hang_timeout_s=self.spec.hang_timeout_s,
+                checks=self._checks,
+            )
+        status = self.supervision.poll()
+        match status:
+            case AllReturned(returns):
+                self.returns = returns
+                self.gang.mark("finished")
+            case RanksFailed(failure):
+                self.failure = failure
+        return status
 
     def finish(self) -> LaunchResult:
         """Every rank's process ends as a Python process does; one dying on its way out is a failure
@@ -217,15 +227,16 @@ class Attempt:
             spec.job_name, spec.world_size, *gang.master, gang.ranks, self.returns, gang.timings
         )
 
-    def _tick(self) -> None:
-        """Every turn of the supervision: the nodes still answer, the next attempt's spares tended, and
-        below MAX nodes, whether to grow (raises GrowTo)."""
-        self.gang.check_nodes()
+    def _checks(self) -> RanksFailed | GrowTo | None:
+        """Every turn of the supervision: a stop signal (raises Interrupted), the nodes still answer,
+        the next attempt's spares tended, and below MAX nodes, whether to grow."""
+        self.stop.check()
+        if (failure := self.gang.check_nodes()) is not None:
+            return RanksFailed(failure)
         self._imported()
         self.metrics.progress(self.progress.stats)
         self._tend_spares()
-        if self.grow is not None:
-            self.grow.check(self.relay.last_checkpoint_at)
+        return self.grow.check(self.relay.last_checkpoint_at) if self.grow is not None else None
 
     def _imported(self) -> None:
         """Once rank 0's imports ahead are done, what they took (and the config built ahead), said

@@ -24,6 +24,7 @@ from ..core.elastic import GrowTo
 from ..core.errors import RankFailedError
 from ..core.outcome import LaunchObserver, LaunchState, Restart, RestartKind, run_outcome
 from ..core.policy import FailureDecision, FailurePolicy
+from ..core.poll import AllReturned, PollStatus, RanksFailed, StillRunning
 from .sources import RELAUNCH_SETTLE_S
 
 log = logging.getLogger("megaray")
@@ -41,7 +42,7 @@ class AttemptLike(Protocol):
 
     def start(self) -> None: ...
 
-    def watch(self) -> None: ...
+    def poll(self) -> PollStatus: ...
 
     def finish(self) -> Any: ...
 
@@ -146,10 +147,8 @@ class Controller:
             while not self.state.ended:
                 try:
                     step = self._next(self.step)
-                except RankFailedError as e:
+                except RankFailedError as e:  # placing, starting or finishing: a node lost, a crash on exit
                     step = self._decide(e)
-                except GrowTo as e:
-                    step = self._grow(e)
                 self._move(step)
         except BaseException as e:
             self._close()
@@ -161,7 +160,8 @@ class Controller:
         return self.step.result
 
     def _next(self, step: Step) -> Step:
-        """The attempt's method for this state; what it returns, or raises, says the next."""
+        """The attempt's method for this state; what it returns, or raises, says the next. Running,
+        the attempt is looked at once a turn (core/poll.py) until what it finds moves the launch on."""
         match step:
             case Placing(number, spares, growing):
                 self.number = number
@@ -172,8 +172,15 @@ class Controller:
                 self.attempt.start()
                 return Running()
             case Running():
-                self.attempt.watch()
-                return Finishing()
+                match self.attempt.poll():
+                    case StillRunning():
+                        return step
+                    case AllReturned():
+                        return Finishing()
+                    case RanksFailed(failure):
+                        return self._decide(failure)
+                    case GrowTo() as grow:
+                        return self._grow(grow)
             case Finishing():
                 result = self.attempt.finish()
                 self._close()

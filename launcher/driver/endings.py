@@ -200,16 +200,17 @@ class RankWatch:
         self.lingering: dict[int, list[str]] = {}  # what each returned rank's process still runs
         self.ends = EndsWatch(handles, forwarders or {})
 
-    def check_nodes(self) -> None:
-        """Raise RankFailedError for the ranks whose process is ending, and those of every node the
-        probes found lost. A process that held GPU memory takes seconds to exit, and Ray reports it
-        dead after that: its node's forwarder sees it the moment it starts to. A cut link or a dead
-        machine is told within seconds, not when Ray's health checks give up on it (about a minute
-        with Ray's defaults), while the ranks still wait on it in their collectives."""
-        self._check_ends()
+    def check_nodes(self) -> RankFailedError | None:
+        """The failure of the ranks whose process is ending, else of those of every node the probes
+        found lost; None while all is well. A process that held GPU memory takes seconds to exit, and
+        Ray reports it dead after that: its node's forwarder sees it the moment it starts to. A cut
+        link or a dead machine is told within seconds, not when Ray's health checks give up on it
+        (about a minute with Ray's defaults), while the ranks still wait on it in their collectives."""
+        if failures := self._ends():
+            return RankFailedError(failures, len(self.handles))
         lost = self.probes.tick() if self.probes is not None else {}
         if not lost:
-            return
+            return None
         failures, at = [], time.time()
         for node_id, (silent_s, why) in lost.items():
             self.lost[node_id] = True
@@ -218,10 +219,10 @@ class RankWatch:
             failures += [
                 RankFailure(**failure_site(h), kind=FailureKind.DIED, summary=summary, at=at) for h in on_node
             ]
-        raise RankFailedError(failures, len(self.handles))
+        return RankFailedError(failures, len(self.handles))
 
-    def _check_ends(self) -> None:
-        """Raise the failure of each rank found ending (EndsWatch)."""
+    def _ends(self) -> list[RankFailure]:
+        """The failure of each rank found ending (EndsWatch)."""
         ended, at = self.ends.ended(), time.time()
         failures = self.ends.forwarders_died(at, self._node_gone)
         for h, e in ended:
@@ -233,8 +234,7 @@ class RankWatch:
             failures.append(
                 RankFailure(**failure_site(h), kind=FailureKind.DIED, summary=summary, at=at, exit_code=code)
             )
-        if failures:
-            raise RankFailedError(failures, len(self.handles))
+        return failures
 
     def close(self) -> None:
         if self.probes is not None:

@@ -279,9 +279,9 @@ class RankGang:
     def inspect_hang(self, idle_s: float) -> list[RankFailure]:
         return self.watch.inspect_hang(idle_s)
 
-    def check_nodes(self) -> None:
-        """Raises RankFailedError when a node of this gang stopped answering (endings.py)."""
-        self.watch.check_nodes()
+    def check_nodes(self) -> RankFailedError | None:
+        """The failure of the ranks whose process ends or whose node stopped answering (endings.py)."""
+        return self.watch.check_nodes()
 
     @property
     def lost_nodes(self) -> set[str]:

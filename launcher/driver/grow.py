@@ -1,7 +1,7 @@
 """Growing back (`--nodes MIN:MAX`): while an attempt runs on fewer than MAX nodes, whether the cluster
 has room for more (a node joined, or a lost one answers again), and when to end the attempt to
-relaunch on them (core/elastic.py `GrowPolicy`), by raising `GrowTo`: the controller takes it as a
-relaunch that is not a failure (driver/controller.py)."""
+relaunch on them (core/elastic.py `GrowPolicy`): `GrowTo`, which the controller takes as a relaunch
+that is not a failure (driver/controller.py)."""
 
 from __future__ import annotations
 
@@ -35,21 +35,22 @@ class GrowWatch:
         self.target = spec.nodes
         self.next_look = clock() + ROOM_EVERY_S
 
-    def check(self, last_checkpoint_at: float | None) -> None:
-        """Raise GrowTo when it is time; `last_checkpoint_at`: when the target last said it saved one
-        (this clock)."""
+    def check(self, last_checkpoint_at: float | None) -> GrowTo | None:
+        """GrowTo once it is time, else None; `last_checkpoint_at`: when the target last said it saved
+        one (this clock)."""
         now = self.clock()
         if now >= self.next_look:
             self.next_look = now + ROOM_EVERY_S
             self._look(now)
-        if self.policy.grow_now(self.room_since, last_checkpoint_at, now):
-            saved = last_checkpoint_at is not None and last_checkpoint_at >= self.room_since
-            when = "a checkpoint was saved since" if saved else f"for {now - self.room_since:.0f}s"
-            raise GrowTo(
-                self.target,
-                f"the cluster has room for {self.target} node(s) of --nodes {self.asked} (running on "
-                f"{self.spec.nodes}), {when}",
-            )
+        if not self.policy.grow_now(self.room_since, last_checkpoint_at, now):
+            return None
+        saved = last_checkpoint_at is not None and last_checkpoint_at >= self.room_since
+        when = "a checkpoint was saved since" if saved else f"for {now - self.room_since:.0f}s"
+        return GrowTo(
+            self.target,
+            f"the cluster has room for {self.target} node(s) of --nodes {self.asked} (running on "
+            f"{self.spec.nodes}), {when}",
+        )
 
     def _look(self, now: float) -> None:
         self._forgive()

@@ -1,7 +1,10 @@
-"""Watching running ranks: the first failure ends the attempt, a silent job is a hang, a signal stops.
+"""Looking at running ranks: the first failure ends the attempt, a silent job is a hang, a signal stops.
 
-Written against two small interfaces, so that the rules (which failure is the root cause, when
-silence counts as a hang, how a stop signal is seen) are tested with a fake gang and a fake clock:
+`Supervision.poll` looks once (up to POLL_S) and says what it found, typed (core/poll.py): the
+controller decides from it each turn (driver/controller.py). `supervise` polls until the end, for a
+rank group's calls. Written against two small interfaces, so that the rules (which failure is the
+root cause, when silence counts as a hang, how a stop signal is seen) are tested with a fake gang
+and a fake clock:
 
 - the gang: `world_size`, `wait(refs, num_returns, timeout_s) -> (done, pending)`,
   `outcome(ref, rank) -> (ok, value or RankFailure)`, `inspect_hang(idle_s) -> [RankFailure]`;
@@ -14,7 +17,9 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
+from ..core.elastic import GrowTo
 from ..core.errors import RankFailedError, RankFailure, peer_consequence
+from ..core.poll import AllReturned, PollStatus, RanksFailed, StillRunning
 from .stop import StopSignal
 
 ROOT_CAUSE_WINDOW_S = 0.1  # failures arriving this close together are compared to find the first
@@ -47,6 +52,87 @@ def hang_limit(hang_timeout_s: float, any_output: bool) -> float:
     return hang_timeout_s if any_output else max(hang_timeout_s, STARTUP_GRACE_S)
 
 
+Checks = Callable[[], RanksFailed | GrowTo | None]
+
+
+class Supervision:
+    """One call per rank (`refs`, by rank), looked at one turn at a time.
+
+    The first failure ends it at once: the others would hang in collectives. Peers of a dead rank
+    fail a moment later with connection errors, so what arrives within a short window is gathered
+    too, and the root cause is the rank that failed first. No output or progress from any rank for
+    `hang_timeout_s` (0: never) is a hang: every rank's state and stack are read and the attempt
+    fails the same way. `checks` runs on every turn (a stop signal, the nodes' liveness, the warm
+    spares, growing) and may end it: with what it found, or by raising (Interrupted).
+    """
+
+    def __init__(
+        self, gang: Gang, refs: list, *, relay: Relay | None = None, hang_timeout_s: float = 0.0,
+        checks: Checks = lambda: None, clock: Callable[[], float] = time.monotonic,
+    ):  # fmt: skip
+        self.gang, self.relay, self.checks, self.clock = gang, relay, checks, clock
+        self.hang_timeout_s = hang_timeout_s
+        self.rank_of = {ref: r for r, ref in enumerate(refs)}
+        self.returns: list[Any] = [None] * len(refs)
+        self.failures: list[RankFailure] = []
+        self.pending = list(refs)
+        self.started = clock()
+
+    def poll(self) -> PollStatus:
+        """One turn: signals, output, the checks, the hang timer, then up to POLL_S for a rank to end."""
+        gang, relay = self.gang, self.relay
+        if not self.pending:
+            return AllReturned(tuple(self.returns))
+        if (found := self.checks()) is not None:
+            return found
+        if relay is not None:
+            relay.pump()
+        if self.hang_timeout_s and relay is not None:
+            idle = self.clock() - max(self.started, relay.last_activity)
+            if idle > hang_limit(self.hang_timeout_s, relay.writes_seen > 0):
+                hung = gang.inspect_hang(idle)
+                if any("faulthandler" in f.summary for f in hung):
+                    relay.pump(wait_s=2.0)  # their stacks reach the rank logs through the sink
+                return RanksFailed(RankFailedError(hung, gang.world_size))
+        done, self.pending = gang.wait(self.pending, 1, POLL_S)
+        if not done:
+            return StillRunning()
+        if self.pending:  # every call ready by now, in one pass: at the end of a run they all are at once
+            more, self.pending = gang.wait(self.pending, len(self.pending), 0)
+            done = [*done, *more]
+        self._collect(done)
+        if not self.failures:
+            return StillRunning() if self.pending else AllReturned(tuple(self.returns))
+        if self.pending:
+            more, self.pending = gang.wait(self.pending, len(self.pending), ROOT_CAUSE_WINDOW_S)
+            self._collect(more)
+        told = self._wait_for_the_cause()
+        if relay is not None:
+            relay.pump(wait_s=2.0)  # the failing rank's last lines before the report
+        return RanksFailed(RankFailedError([*told, *self.failures], gang.world_size))
+
+    def _collect(self, done: list) -> None:
+        for ref in done:
+            ok, value = self.gang.outcome(ref, self.rank_of[ref])
+            if ok:
+                self.returns[self.rank_of[ref]] = value
+            else:
+                self.failures.append(value)
+
+    def _wait_for_the_cause(self) -> list[RankFailure]:
+        """While every failure is a peer's connection error (a gloo "Connection reset by peer" within
+        a moment of another rank's process or node going), wait up to PEER_WAIT_S for what ended:
+        another rank's failure, or the node checks (a lost node or an ending process), whose
+        failures are returned to come first. Growing is not looked for: the attempt failed."""
+        deadline = self.clock() + PEER_WAIT_S
+        while self.pending and all(map(peer_consequence, self.failures)) and self.clock() < deadline:
+            if isinstance(found := self.checks(), RanksFailed):
+                return list(found.failure.failures)
+            done, self.pending = self.gang.wait(self.pending, 1, POLL_S)
+            self._collect(done)
+        return []
+
+
 def supervise(
     gang: Gang,
     refs: list,
@@ -54,75 +140,26 @@ def supervise(
     *,
     relay: Relay | None = None,
     hang_timeout_s: float = 0.0,
-    tick: Callable[[], None] = lambda: None,
+    checks: Callable[[], RanksFailed | None] = lambda: None,
     clock: Callable[[], float] = time.monotonic,
 ) -> tuple[Any, ...]:
-    """Wait for one call per rank (`refs`, by rank) and return their values, by rank.
+    """Poll a Supervision until every rank returned (their values, by rank), or raise the first
+    failure as RankFailedError (a rank group's calls: driver/group.py); a stop signal raises."""
 
-    The first failure raises RankFailedError at once: the others would hang in collectives. Peers of
-    a dead rank fail a moment later with connection errors, so what arrives within a short window is
-    gathered too, and the error's root cause is the rank that failed first. No output or progress
-    from any rank for `hang_timeout_s` (0: never) is a hang: every rank's state and stack are read
-    and the attempt fails the same way. `tick` runs on every turn (the warm spares are tended there).
-    """
-    rank_of = {ref: r for r, ref in enumerate(refs)}
-    returns: list[Any] = [None] * len(refs)
-    failures: list[RankFailure] = []
-    pending = list(refs)
-    started = clock()
-
-    def collect(done: list) -> None:
-        for ref in done:
-            ok, value = gang.outcome(ref, rank_of[ref])
-            if ok:
-                returns[rank_of[ref]] = value
-            else:
-                failures.append(value)
-
-    while pending:
+    def stop_then_checks() -> RanksFailed | None:
         stop.check()
-        if relay is not None:
-            relay.pump()
-        tick()
-        if hang_timeout_s and relay is not None:
-            idle = clock() - max(started, relay.last_activity)
-            if idle > hang_limit(hang_timeout_s, relay.writes_seen > 0):
-                hung = gang.inspect_hang(idle)
-                if any("faulthandler" in f.summary for f in hung):
-                    relay.pump(wait_s=2.0)  # their stacks reach the rank logs through the sink
-                raise RankFailedError(hung, gang.world_size)
-        done, pending = gang.wait(pending, 1, POLL_S)
-        if not done:
-            continue
-        if pending:  # every call ready by now, in one pass: at the end of a run they all are at once
-            more, pending = gang.wait(pending, len(pending), 0)
-            done = [*done, *more]
-        collect(done)
-        if failures:
-            if pending:
-                more, pending = gang.wait(pending, len(pending), ROOT_CAUSE_WINDOW_S)
-                collect(more)
-            _wait_for_the_cause(gang, pending, failures, collect, tick, stop, clock)
-            if relay is not None:
-                relay.pump(wait_s=2.0)  # the failing rank's last lines before the report
-            raise RankFailedError(failures, gang.world_size)
-    return tuple(returns)
+        return checks()
 
-
-def _wait_for_the_cause(
-    gang: Gang, pending: list, failures: list[RankFailure], collect: Callable[[list], None],
-    tick: Callable[[], None], stop: StopSignal, clock: Callable[[], float],
-) -> None:  # fmt: skip
-    """While every failure is a peer's connection error (a gloo "Connection reset by peer" within a
-    moment of another rank's process or node going), wait up to PEER_WAIT_S for what ended: another
-    rank's failure, or the node checks in `tick` (which raise for a lost node or an ending process;
-    their failures then come with these)."""
-    deadline = clock() + PEER_WAIT_S
-    while pending and all(map(peer_consequence, failures)) and clock() < deadline:
-        stop.check()
-        try:
-            tick()
-        except RankFailedError as e:
-            raise RankFailedError([*e.failures, *failures], gang.world_size) from None
-        done, pending[:] = gang.wait(pending, 1, POLL_S)
-        collect(done)
+    watch = Supervision(
+        gang, refs, relay=relay, hang_timeout_s=hang_timeout_s, checks=stop_then_checks, clock=clock
+    )
+    while True:
+        match watch.poll():
+            case StillRunning():
+                continue
+            case AllReturned(returns):
+                return returns
+            case RanksFailed(failure):
+                raise failure
+            case other:
+                raise AssertionError(f"{other} from checks that cannot grow")
