@@ -101,3 +101,26 @@ def test_an_attempt_grows_at_the_first_checkpoint_after_room_appeared_or_after_g
     assert not plain.grow_now(60.0, None, 89.0) and plain.grow_now(60.0, None, 90.0)
     assert not GrowPolicy().grow_now(0.0, 1.0, 1e9)  # a plain program without --grow-after: at a failure
     assert GrowPolicy(True, 30).describe() == "at its next checkpoint or 30s after"
+
+
+def test_the_scaling_policy_sizes_a_new_attempt_takes_the_spares_left_and_decides_a_grow():
+    """One policy for the node counts (Ray Train v2's ScalingPolicy): placing, the spares a lost node
+    left, and a running attempt below MAX with room for more."""
+    from launcher.core.elastic import GrowPolicy, GrowTo, ScalingPolicy
+
+    odd = ScalingPolicy(
+        NodeRange(1, 4), lambda n: "an odd DP" if n % 2 else None, GrowPolicy(grow_after_s=30)
+    )
+    assert odd.size(3) == NodeChoice(2, 3, ((3, "an odd DP"),))  # as choose_nodes
+    assert odd.takes(2) and not odd.takes(3) and not odd.takes(5)
+    assert not ScalingPolicy(NodeRange(2, 2)).takes(2)  # a fixed count: the spares are placed anew
+    assert odd.can_grow(2) and not odd.can_grow(4) and not ScalingPolicy(NodeRange(2, 2)).can_grow(1)
+    assert odd.grow_to(2, 4) == 4 and odd.grow_to(2, 3) is None and odd.grow_to(4, 4) is None
+    assert odd.grow_now(2, 4, None, None, 100.0) is None  # no room
+    assert odd.grow_now(2, 4, 60.0, None, 89.0) is None  # not yet: --grow-after 30
+    assert odd.grow_now(2, 4, 60.0, None, 90.0) == GrowTo(
+        4, "the cluster has room for 4 node(s) of --nodes 1:4 (running on 2), for 30s"
+    )
+    at_checkpoint = ScalingPolicy(NodeRange(1, 4), grow=GrowPolicy(at_checkpoint=True))
+    assert at_checkpoint.grow_now(2, 4, 60.0, 61.0, 62.0).why.endswith("a checkpoint was saved since")
+    assert at_checkpoint.grow_now(2, 2, 60.0, 61.0, 62.0) is None  # no more nodes than it runs on

@@ -117,3 +117,49 @@ class GrowTo:
 
     nodes: int
     why: str
+
+
+def _suits_any(nodes: int) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class ScalingPolicy:
+    """How many nodes an attempt runs on, and when a running one grows: Ray Train v2's
+    `ScalingPolicy`, which decides for a group not yet running and for a running one. From
+    `--nodes MIN:MAX` (`asked`), what the target cannot run on (`problem`: its runner's
+    `size_problem`) and when a grow is worth a relaunch (`grow`). Every rule here is pure."""
+
+    asked: NodeRange
+    problem: Callable[[int], str | None] = _suits_any
+    grow: GrowPolicy = GrowPolicy()
+
+    def size(self, fit: int) -> NodeChoice:
+        """Placing: the largest count up to `fit` (what the cluster holds) that suits."""
+        return choose_nodes(fit, self.asked, self.problem)
+
+    def takes(self, nodes: int) -> bool:
+        """Whether an attempt may run on `nodes` (the warm spares of the nodes a loss left)."""
+        asked = self.asked
+        return asked.elastic and asked.min <= nodes <= asked.max and self.problem(nodes) is None
+
+    def can_grow(self, running: int) -> bool:
+        return self.asked.elastic and running < self.asked.max
+
+    def grow_to(self, running: int, fit: int) -> int | None:
+        """Running on `running` nodes while `fit` would hold a group: the count to grow to, if larger."""
+        nodes = self.size(fit).nodes
+        return nodes if nodes is not None and nodes > running else None
+
+    def grow_now(
+        self, running: int, target: int, room_since: float | None, checkpoint_at: float | None, now: float
+    ) -> GrowTo | None:
+        """Running on `running` nodes with room for `target` since `room_since` (None: no room): the
+        grow, once the grow policy says it is time (`checkpoint_at`: the target's last checkpoint;
+        the same clock as `now`)."""
+        if target <= running or not self.grow.grow_now(room_since, checkpoint_at, now):
+            return None
+        saved = checkpoint_at is not None and checkpoint_at >= room_since
+        when = "a checkpoint was saved since" if saved else f"for {now - room_since:.0f}s"
+        room = f"the cluster has room for {target} node(s) of --nodes {self.asked} (running on {running})"
+        return GrowTo(target, f"{room}, {when}")

@@ -11,28 +11,22 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import ray
 
-from ..core.elastic import GrowPolicy, GrowTo
+from ..core.elastic import GrowTo
 from ..core.errors import RankFailedError
 from ..core.metrics import MetricsMode, rank_labels
 from ..core.poll import AllReturned, PollStatus, RanksFailed
-from ..core.spec import LaunchSpec
 from ..core.target import Target
-from .cluster import Cluster
+from .context import AttemptTarget, LaunchContext
 from .gang import RankGang, env_records
 from .grow import GrowWatch
 from .handle import RankInfo
-from .metrics import JobMetrics
-from .progress_view import ProgressView
 from .relay import OutputRelay
-from .rundir import RunDir
 from .spares import SparePool
-from .stop import StopSignal
 from .stragglers import StragglerWatch
 from .supervise import Supervision
 from .targets import runner_for
@@ -67,48 +61,23 @@ class Attempt:
     """One run of every rank: a gang, its output relay, and the next attempt's warm spares."""
 
     def __init__(
-        self,
-        spec: LaunchSpec,
-        number: int,
-        cluster: Cluster,
-        profile: dict[str, str],
-        stop: StopSignal,
-        run: RunDir,
-        progress: ProgressView,
-        spares_in: SparePool | None,
-        lost_nodes: set[str] | None = None,
-        size_problem: Callable[[int], str | None] = lambda nodes: None,
-        grow: GrowPolicy | None = None,
-        growing: bool = False,
-        metrics: JobMetrics | None = None,
-        parallel_dims: Callable[[LaunchSpec], tuple[int, int, int] | None] = lambda spec: None,
-        target: Callable[[float | None, Any], Target] | None = None,
-        imports_first: bool = False,
-    ):
-        """`lost_nodes`: the launch's nodes found lost so far, not placed on again (unless they answer
-        again); this attempt adds those it finds. `grow`: with --nodes MIN:MAX, when an attempt below
-        MAX ends to relaunch on more nodes (driver/grow.py); `growing`: this attempt is such a relaunch.
-        `metrics`: the job's (driver/metrics.py), told of this attempt's ranks; `parallel_dims`: the
-        target's TP, PP and CP at this attempt's size, for the ranks' labels. `target`: the program
-        to run, asked for once the ranks are started, with the smallest placed GPU's memory and rank
-        0's process with the call after which its stack is imported (the first attempt's waits for
-        the preflight's verdict, which that process may give quicker, and checks it), else the
-        spec's;
-        `imports_first`: meanwhile the ranks import what their program will (the target's warm
-        imports), so that the wait costs nothing."""
-        self.spec, self.number, self.stop, self.run, self.progress = spec, number, stop, run, progress
-        self.metrics = metrics if metrics is not None else JobMetrics(spec.job_name, MetricsMode.OFF)
-        self.parallel_dims = parallel_dims
-        self.target = target or (lambda gpu_gib, ready: spec.target)
-        self.imports_first = imports_first
-        self.asked = spec.node_range  # the spec becomes this attempt's own once placed (--nodes MIN:MAX)
-        self.size_problem, self.grow_policy = size_problem, grow
+        self, ctx: LaunchContext, number: int, spares_in: SparePool | None = None, *, growing: bool = False,
+        target: AttemptTarget | None = None,
+    ):  # fmt: skip
+        """Attempt `number` of the launch `ctx`: on `spares_in` (the failed attempt's warm spares,
+        handed over) when they can take over; `growing`: a relaunch on more nodes (--nodes
+        MIN:MAX), not after a failure; `target`: what it runs (driver/context.py)."""
+        self.ctx, self.number, self.stop = ctx, number, ctx.stop
+        target = target or AttemptTarget()
+        known = target.known is not None
+        self.spec = spec = dataclasses.replace(ctx.spec, target=target.known) if known else ctx.spec
+        self.target = target.later or (lambda gpu_gib, ready: spec.target)
+        self.imports_first = target.imports_first
         self.grow: GrowWatch | None = None  # once placed below MAX nodes
         name = spec.job_name if number == 0 else f"{spec.job_name}-a{number}"
-        self.lost_nodes = lost_nodes if lost_nodes is not None else set()
         self.gang = RankGang(
-            spec, stop, profile=profile, name=name, attempt=number, fixed_size=cluster.fixed_size,
-            avoid=frozenset(self.lost_nodes), size_problem=size_problem, growing=growing,
+            spec, ctx.stop, profile=ctx.profile, name=name, attempt=number, fixed_size=ctx.cluster.fixed_size,
+            avoid=frozenset(ctx.lost_nodes), scaling=ctx.scaling, growing=growing,
         )  # fmt: skip
         self.spares_in = spares_in  # given by the failed attempt, until adopted or discarded
         self.spares_out: SparePool | None = None  # started for the next attempt
@@ -136,21 +105,20 @@ class Attempt:
         gang = self.gang
         gang.place(spares_in)
         self.spec = gang.spec  # with --nodes MIN:MAX, on as many nodes as it was placed on
-        if self.grow_policy is not None and self.asked.elastic and self.spec.nodes < self.asked.max:
+        if self.ctx.scaling.can_grow(self.spec.nodes):
             held = {s.node_id for s in gang.slots}
-            policy, problem = self.grow_policy, self.size_problem
-            self.grow = GrowWatch(self.spec, self.asked, policy, held, self.lost_nodes, problem)
+            self.grow = GrowWatch(self.spec, self.ctx.scaling, held, self.ctx.lost_nodes)
         self.relay = OutputRelay(
             f"{gang.name}-output",
-            self.run.path,
+            self.ctx.run.path,
             [s.node_rank for s in gang.slots],
             self.spec.console_ranks,
-            self.progress,
+            self.ctx.progress,
             started=gang.pool_sink,
             stragglers=StragglerWatch(
-                self.run.path,
+                self.ctx.run.path,
                 [f"{s.node_ip} ({s.hostname})" for s in gang.slots],
-                on_scores=self.metrics.scores if self.spec.metrics is not MetricsMode.OFF else None,
+                on_scores=self.ctx.metrics.scores if self.spec.metrics is not MetricsMode.OFF else None,
             ),
         )
 
@@ -161,21 +129,20 @@ class Attempt:
         where = [(s.node_id, s.node_ip) for s in gang.slots]
         on = spec.metrics is not MetricsMode.OFF
         known = on and not self.imports_first  # else the layout comes with the verdict, below
-        labels = rank_labels(
-            spec.job_name, spec.metrics, where, self.parallel_dims(spec) if known else None, spec.peak_tflops
-        )
-        self.metrics.attempt(spec.world_size, spec.nodes, labels)
-        self.progress.world_size = spec.world_size  # TFLOP/s per GPU of this attempt's GPUs
+        dims = self.ctx.parallel_dims(spec) if known else None
+        labels = rank_labels(spec.job_name, spec.metrics, where, dims, spec.peak_tflops)
+        self.ctx.metrics.attempt(spec.world_size, spec.nodes, labels)
+        self.ctx.progress.world_size = spec.world_size  # TFLOP/s per GPU of this attempt's GPUs
         try:
             outputs = self.relay.forward_from({s.node_id for s in gang.slots}, labels if on else None)
             envs = gang.start(self.relay.sink, outputs)
         except RankFailedError as e:  # a node lost while the ranks started
             self.failure = e
             raise
-        size, asked = (gang.placed.size if gang.placed is not None else None), self.asked
+        size, asked = (gang.placed.size if gang.placed is not None else None), self.ctx.scaling.asked
         nodes = {"asked": str(asked), "running": size.nodes, "why": size.describe(asked)} if size else None
-        self.run.write_topology(gang.master, [dataclasses.asdict(r) for r in gang.ranks], nodes)
-        self.run.write_env(env_records(gang.handles, envs))
+        self.ctx.run.write_topology(gang.master, [dataclasses.asdict(r) for r in gang.ranks], nodes)
+        self.ctx.run.write_env(env_records(gang.handles, envs))
         # rank 0's process, with the target's stack imported (a warm pool's) or once it has (`after`)
         ready = (gang.actors[0], None) if gang.adopted else None
         if self.imports_first and not gang.adopted:
@@ -183,9 +150,9 @@ class Attempt:
             ready = (gang.actors[0], self._imports)
         gpu_gib = min((r.gpu_memory_gib for r in gang.reports if r.gpu_memory_gib), default=None)
         self.spec = spec = dataclasses.replace(spec, target=self.target(gpu_gib, ready))
-        if on and not known and (dims := self.parallel_dims(spec)) is not None:
+        if on and not known and (dims := self.ctx.parallel_dims(spec)) is not None:
             labels = rank_labels(spec.job_name, spec.metrics, where, dims, spec.peak_tflops)
-            self.metrics.attempt(spec.world_size, spec.nodes, labels)
+            self.ctx.metrics.attempt(spec.world_size, spec.nodes, labels)
             for node, forwarder in outputs.items():
                 forwarder.relabel.remote(labels[node])
         self.refs = gang.run(spec.target, spec.cwd)
@@ -234,7 +201,7 @@ class Attempt:
         if (failure := self.gang.check_nodes()) is not None:
             return RanksFailed(failure)
         self._imported()
-        self.metrics.progress(self.progress.stats)
+        self.ctx.metrics.progress(self.ctx.progress.stats)
         self._tend_spares()
         return self.grow.check(self.relay.last_checkpoint_at) if self.grow is not None else None
 
@@ -284,7 +251,7 @@ class Attempt:
                 if late:
                     self.failure.amend([*self.failure.failures, *late])
         self.gang.teardown(keep_groups=self.handed_over)
-        self.lost_nodes |= self.gang.lost_nodes
+        self.ctx.lost_nodes |= self.gang.lost_nodes
         if not self.succeeded and self.relay is not None and self.relay.sink is not None:
             self.gang.collect_output(self.failure)
         if self.spares_in is not None:  # given, but stopped before adopting them
@@ -294,4 +261,4 @@ class Attempt:
         if self.relay is not None:
             self.relay.finish()
         else:
-            self.progress.close()
+            self.ctx.progress.close()

@@ -12,11 +12,12 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 import ray
 
+from ..core.elastic import ScalingPolicy
 from ..core.errors import (
     ClusterError,
     Interrupted,
@@ -99,12 +100,12 @@ class RankGang:
         gpu_share: float = 1.0,
         host: RankGang | None = None,
         avoid: frozenset[str] = frozenset(),
-        size_problem: Callable[[int], str | None] = lambda nodes: None,
+        scaling: ScalingPolicy | None = None,
         growing: bool = False,
     ):
         self.spec, self.stop, self.profile = spec, stop, profile
         self.avoid = avoid  # nodes an earlier attempt found lost: never placed on again
-        self.size_problem = size_problem  # what the target cannot run on (--nodes MIN:MAX)
+        self.scaling = scaling or ScalingPolicy(spec.node_range)  # --nodes MIN:MAX: the counts it runs on
         self.growing = growing  # a relaunch on more nodes (--nodes MIN:MAX), not after a failure
         self.name, self.attempt, self.fixed_size = name, attempt, fixed_size
         self.gpu_share, self.host = gpu_share, host
@@ -165,7 +166,7 @@ class RankGang:
         sources = rank_sources(
             spec, self.name, self.stop, first=self.attempt == 0, fixed_size=self.fixed_size,
             start_env=self.start_env, spares=spares, host=host, avoid=self.avoid,
-            size_problem=self.size_problem, growing=self.growing,
+            scaling=self.scaling, growing=self.growing,
         )  # fmt: skip
         placed = next(p for p in (source.take() for source in sources) if p is not None)
         self.spec = sized(spec, placed)

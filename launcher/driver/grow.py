@@ -9,7 +9,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from ..core.elastic import GrowPolicy, GrowTo, NodeRange, choose_nodes
+from ..core.elastic import GrowTo, ScalingPolicy
 from ..core.spec import LaunchSpec
 from . import rayprivate
 from .endings import node_lost
@@ -21,16 +21,15 @@ ROOM_EVERY_S = 5.0  # how often the cluster is asked for room (one GCS call, a p
 
 
 class GrowWatch:
-    """`spec` is the attempt's (its node count), `asked` the launch's range; `held` the attempt's
+    """`spec` is the attempt's (its node count); `scaling` the launch's policy; `held` the attempt's
     nodes, `lost` the launch's lost nodes (one that answers again is taken off: it can be placed on
     again)."""
 
     def __init__(
-        self, spec: LaunchSpec, asked: NodeRange, policy: GrowPolicy, held: set[str], lost: set[str],
-        size_problem: Callable[[int], str | None], clock: Callable[[], float] = time.monotonic,
+        self, spec: LaunchSpec, scaling: ScalingPolicy, held: set[str], lost: set[str],
+        clock: Callable[[], float] = time.monotonic,
     ):  # fmt: skip
-        self.spec, self.asked, self.policy = spec, asked, policy
-        self.held, self.lost, self.size_problem, self.clock = held, lost, size_problem, clock
+        self.spec, self.scaling, self.held, self.lost, self.clock = spec, scaling, held, lost, clock
         self.room_since: float | None = None
         self.target = spec.nodes
         self.next_look = clock() + ROOM_EVERY_S
@@ -42,15 +41,7 @@ class GrowWatch:
         if now >= self.next_look:
             self.next_look = now + ROOM_EVERY_S
             self._look(now)
-        if not self.policy.grow_now(self.room_since, last_checkpoint_at, now):
-            return None
-        saved = last_checkpoint_at is not None and last_checkpoint_at >= self.room_since
-        when = "a checkpoint was saved since" if saved else f"for {now - self.room_since:.0f}s"
-        return GrowTo(
-            self.target,
-            f"the cluster has room for {self.target} node(s) of --nodes {self.asked} (running on "
-            f"{self.spec.nodes}), {when}",
-        )
+        return self.scaling.grow_now(self.spec.nodes, self.target, self.room_since, last_checkpoint_at, now)
 
     def _look(self, now: float) -> None:
         self._forgive()
@@ -60,17 +51,17 @@ class GrowWatch:
             if node_id not in self.held and node_id not in self.lost
         }
         more = nodes_that_fit(free, bundle_for(self.spec), self.spec.gpus_per_node)
-        choice = choose_nodes(self.spec.nodes + more, self.asked, self.size_problem)
-        if choice.nodes is not None and choice.nodes > self.spec.nodes:
-            if self.room_since is None:
-                log.info(
-                    "the cluster has room for %d node(s) of --nodes %s (running on %d): growing %s",
-                    choice.nodes, self.asked, self.spec.nodes, self.policy.describe(),
-                )  # fmt: skip
-                self.room_since = now
-            self.target = choice.nodes
-        else:
+        target = self.scaling.grow_to(self.spec.nodes, self.spec.nodes + more)
+        if target is None:
             self.room_since, self.target = None, self.spec.nodes
+            return
+        if self.room_since is None:
+            log.info(
+                "the cluster has room for %d node(s) of --nodes %s (running on %d): growing %s",
+                target, self.scaling.asked, self.spec.nodes, self.scaling.grow.describe(),
+            )  # fmt: skip
+            self.room_since = now
+        self.target = target
 
     def _forgive(self) -> None:
         """A lost node that Ray still counts alive and whose raylet answers again (a healed link)."""

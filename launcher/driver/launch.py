@@ -10,10 +10,9 @@ import logging
 import shutil
 import signal
 import time
-from dataclasses import replace
 from typing import Any
 
-from ..core.elastic import GrowPolicy
+from ..core.elastic import GrowPolicy, ScalingPolicy
 from ..core.errors import Interrupted, MegarayError, RankFailedError, UsageError
 from ..core.outcome import run_outcome
 from ..core.policy import FailurePolicy
@@ -26,6 +25,7 @@ from ..core.target import Target, check_target_locally
 from . import placement, up
 from .attempt import Attempt, LaunchResult
 from .cluster import connect
+from .context import AttemptTarget, LaunchContext
 from .controller import Controller
 from .metrics import JobMetrics
 from .progress_view import ProgressView
@@ -131,25 +131,30 @@ def _run(
                     first.append(runner.first_target(spec, p))
                 return first[0]
 
-            lost_nodes: set[str] = set()  # found by any attempt, avoided by the next
-            grow = GrowPolicy(runner.grows_at_checkpoint, spec.grow_after_s)  # with --nodes MIN:MAX
-            metrics = JobMetrics(spec.job_name, spec.metrics)  # once connected: Ray exports them
+            ctx = LaunchContext(
+                spec, cluster, profile, stop, run, progress,
+                metrics=JobMetrics(spec.job_name, spec.metrics),  # once connected: Ray exports them
+                scaling=ScalingPolicy(  # with --nodes MIN:MAX
+                    spec.node_range,
+                    lambda nodes: runner.size_problem(spec, plan(), nodes),
+                    GrowPolicy(runner.grows_at_checkpoint, spec.grow_after_s),
+                ),
+                parallel_dims=lambda s: runner.parallel_dims(s, plan()),
+            )  # fmt: skip
 
             def new_attempt(k: int, spares: SparePool | None, growing: bool) -> Attempt:
-                # the first attempt's target once its ranks are started (they import meanwhile)
-                later = None if k == 0 else runner.resume_target(first_target(), plan())
-                return Attempt(
-                    replace(spec, target=later) if later else spec, k, cluster, profile, stop, run, progress,
-                    spares, lost_nodes, size_problem=lambda nodes: runner.size_problem(spec, plan(), nodes),
-                    grow=grow, growing=growing, metrics=metrics,
-                    parallel_dims=lambda s: runner.parallel_dims(s, plan()),
-                    target=first_target if k == 0 else None, imports_first=k == 0 and verdict.in_background,
-                )  # fmt: skip
+                # the first attempt's target once its ranks are started (they import meanwhile); a
+                # relaunch's resumes from what the first saved
+                if k == 0:
+                    target = AttemptTarget(later=first_target, imports_first=verdict.in_background)
+                else:
+                    target = AttemptTarget(known=runner.resume_target(first_target(), plan()))
+                return Attempt(ctx, k, spares, growing=growing, target=target)
 
             controller = Controller(
                 FailurePolicy(spec.max_restarts), new_attempt,
                 placement_timeout_s=placement.wait_s(spec, cluster.fixed_size),
-                min_nodes=spec.min_nodes, observers=(progress, metrics),
+                min_nodes=spec.min_nodes, observers=(progress, ctx.metrics),
             )  # fmt: skip
             try:
                 return controller.run()
@@ -158,7 +163,7 @@ def _run(
                     e.ending = f"{UP_STOPPED} {e.ending}".strip()
                 raise
             finally:
-                metrics.close()
+                ctx.metrics.close()
                 from .pool import refill
 
                 refill(runner.warm_imports(spec.target))

@@ -6,12 +6,11 @@ try; fresh placement always gives one (or raises)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
-from ..core.elastic import NodeChoice, choose_nodes
+from ..core.elastic import NodeChoice, ScalingPolicy
 from ..core.errors import UsageError
 from ..core.spec import LaunchSpec
 from ..core.topology import RankReport, RankSlot, assign_ranks, order_nodes, renumbered
@@ -74,7 +73,7 @@ class FromSpares:
     stop: StopSignal
     avoid: frozenset[str] = frozenset()
     spec: LaunchSpec | None = None
-    size_problem: Callable[[int], str | None] = lambda nodes: None
+    scaling: ScalingPolicy | None = None
 
     def take(self) -> Placed | None:
         size, spares = None, self.spares
@@ -98,12 +97,8 @@ class FromSpares:
 
     def _shrunk(self) -> NodeChoice | None:
         """How many nodes the spares left make, when the launch is elastic and the target takes it."""
-        if self.spec is None or not self.spec.node_range.elastic:
-            return None
         left = len({s.node_id for s in self.spares.slots if s.node_id not in self.avoid})
-        if left < self.spec.node_range.min or self.size_problem(left) is not None:
-            return None
-        return NodeChoice(left, left)
+        return NodeChoice(left, left) if self.scaling is not None and self.scaling.takes(left) else None
 
 
 @dataclass
@@ -134,14 +129,14 @@ class FromPool:
 class Fresh:
     """A placement group per node on distinct nodes (placement.place_groups), none on `avoid`. With
     `--nodes MIN:MAX`, as many as were placed within `settle_s`, at least MIN, less any count the
-    target cannot run on (`size_problem`, core/elastic.py): the first nodes in rank order are kept."""
+    target cannot run on (`scaling`, core/elastic.py): the first nodes in rank order are kept."""
 
     spec: LaunchSpec
     name: str
     stop: StopSignal
     fixed_size: bool
     avoid: frozenset[str] = frozenset()
-    size_problem: Callable[[int], str | None] = lambda nodes: None
+    scaling: ScalingPolicy | None = None
     settle_s: float | None = None
 
     def take(self) -> Placed:
@@ -153,7 +148,7 @@ class Fresh:
         nodes = order_nodes(placement.resolve_nodes(groups))
         choice = None
         if spec.node_range.elastic:
-            choice = choose_nodes(len(groups), spec.node_range, self.size_problem)
+            choice = (self.scaling or ScalingPolicy(spec.node_range)).size(len(groups))
             if choice.nodes is None:
                 placement.remove_groups(groups)
                 raise UsageError(f"--nodes {spec.node_range}: {choice.describe(spec.node_range)}")
@@ -167,13 +162,13 @@ def rank_sources(
     spec: LaunchSpec, name: str, stop: StopSignal, *, first: bool, fixed_size: bool,
     start_env: dict[str, str], spares: SparePool | None = None,
     host: tuple[list, list[RankSlot]] | None = None, avoid: frozenset[str] = frozenset(),
-    size_problem: Callable[[int], str | None] = lambda nodes: None, growing: bool = False,
+    scaling: ScalingPolicy | None = None, growing: bool = False,
 ) -> list[RankSource]:  # fmt: skip
     """In the order they are tried. The pool serves only a launch's first attempt (a relaunch has its
     spares, or places anew), and a first attempt's job name must be free on the cluster."""
     sources: list[RankSource] = []
     if spares is not None:
-        sources.append(FromSpares(spares, stop, avoid, spec, size_problem))
+        sources.append(FromSpares(spares, stop, avoid, spec, scaling))
     if host is not None:
         return [*sources, FromHost(*host)]
     if first:
@@ -182,4 +177,4 @@ def rank_sources(
     # a relaunch with --nodes MIN:MAX goes on at once with the nodes that hold a group now; a grow's
     # waits for the nodes it saw room for
     settle_s = None if first else GROW_SETTLE_S if growing else RELAUNCH_SETTLE_S
-    return [*sources, Fresh(spec, name, stop, fixed_size, avoid, size_problem, settle_s)]
+    return [*sources, Fresh(spec, name, stop, fixed_size, avoid, scaling, settle_s)]
