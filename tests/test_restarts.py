@@ -20,6 +20,7 @@ from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
 
 from launcher.driver.cluster import SIMULATED_NODE, stop_simulated
+from launcher.driver.supervise import STARTUP_GRACE_S
 
 from . import drive
 from .conftest import REPO, connected, free_port, leftovers
@@ -170,9 +171,12 @@ def test_a_stopped_rank_is_reported_as_a_hang_with_stacks(cluster, tmp_path):
     others = root.split("Other failures:")[1]
     assert "rank 0 on" in others and "barrier" in others  # the waiting peer's stack, read by py-spy
     assert "stack of rank 0" in out
+    # found by the 10 s --hang-timeout once the ranks had printed, not the start-up grace (120 s); how
+    # long reading the stacks takes on a busy machine is bench/failures.py's to measure
+    idle = int(re.search(r"no output or progress from any rank for (\d+)s", root).group(1))
+    assert 10 <= idle < STARTUP_GRACE_S, idle
     summary = json.loads((tmp_path / "hang" / "summary.json").read_text())
-    started, ended = summary["timings"]["started"], summary["timings"]["torn_down"]
-    assert ended - started < 10 + 30  # the timeout plus slack for stack reading on a busy 2-core machine
+    assert summary["status"] == "failed" and "SIGSTOP" in summary["root_cause"]
     assert leftovers("hang") == ([], [])
 
 
