@@ -1,5 +1,6 @@
 """The package's shape, kept: no import cycle, a core that imports neither Ray nor torch, modules and
-classes small enough to read (450 and 250 lines)."""
+classes small enough to read (400 and 220 lines; 200 is the classes' goal, RankActor the last above
+it), constructors of at most 6 arguments (the public `RankGroup`, keyword options, aside)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ from pathlib import Path
 from .conftest import REPO
 
 PKG = REPO / "launcher"
-MAX_MODULE_LINES = 450
-MAX_CLASS_LINES = 250
+MAX_MODULE_LINES = 400
+MAX_CLASS_LINES = 220
+MAX_INIT_ARGS = 6
+WIDE_BY_DESIGN = {"RankGroup"}  # a public API's keyword options, as Ray's and torch's own
 
 
 def _module_name(path: Path) -> str:
@@ -120,6 +123,11 @@ def test_modules_and_classes_stay_readable():
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.ClassDef) and (n := node.end_lineno - node.lineno + 1) > MAX_CLASS_LINES:
                 too_long.append(f"{path.relative_to(REPO)}: class {node.name} {n} lines")
+            if isinstance(node, ast.ClassDef) and node.name not in WIDE_BY_DESIGN:
+                for init in (f for f in node.body if isinstance(f, ast.FunctionDef) and f.name == "__init__"):
+                    a = init.args
+                    if (n := len(a.args) - 1 + len(a.kwonlyargs)) > MAX_INIT_ARGS:
+                        too_long.append(f"{path.relative_to(REPO)}: {node.name}.__init__ takes {n} arguments")
     assert not too_long, too_long
 
 
@@ -141,3 +149,33 @@ def test_rays_private_apis_are_called_from_one_module():
             if any(n == p or n.startswith(p + ".") for n in names for p in private):
                 callers.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not callers, callers
+
+
+def test_the_architecture_page_draws_every_state_and_the_folders_as_they_stack():
+    """docs/architecture.md is kept true: its diagram names each state of the controller (and no
+    other), and its layer table each folder with what it imports."""
+    import re
+
+    from launcher.core.outcome import LaunchState
+
+    page = (REPO / "docs" / "architecture.md").read_text()
+    diagram = page.split("```mermaid")[1].split("```")[0]
+    drawn = set(re.findall(r"^\s*(\w+) --> (\w+)", diagram, re.M))
+    named = {s for edge in drawn for s in edge} - {"*"}
+    assert named == {s.value for s in LaunchState}, named ^ {s.value for s in LaunchState}
+    table = page.split("## Layers")[1].split("```")[1]
+    edges: dict[str, set[str]] = {}
+    for m, deps in _graph().items():
+        for d in deps:
+            if _folder(d) != _folder(m) and _folder(m).count(".") == 1:
+                edges.setdefault(_folder(m).split(".")[1], set()).add(_folder(d).split(".")[1])
+    for line in table.strip().splitlines():
+        folder, _, imports = line.partition("imports")
+        name = folder.split("/")[0]
+        said = {w.strip(" ,") for w in imports.split(",")} - {"core only"}
+        said = {w.split()[0] for w in said if w}
+        assert edges.get(name, set()) <= said | {"core"} and said <= edges.get(name, set()) | {"core"}, (
+            name,
+            said,
+            edges.get(name),
+        )

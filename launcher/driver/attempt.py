@@ -20,12 +20,16 @@ from ..core.elastic import GrowTo
 from ..core.errors import RankFailedError
 from ..core.metrics import MetricsMode, rank_labels
 from ..core.poll import AllReturned, PollStatus, RanksFailed
+from ..core.spec import LaunchSpec
 from ..core.target import Target
 from .context import AttemptTarget, LaunchContext
-from .gang import RankGang, env_records
+from .endings import failed_before
+from .gang import RankGang
 from .grow import GrowWatch
 from .handle import RankInfo
-from .relay import OutputRelay
+from .rank_view import env_records
+from .relay import OutputRelay, open_sink
+from .sources import PlaceRequest
 from .spares import SparePool
 from .stragglers import StragglerWatch
 from .supervise import Supervision
@@ -57,6 +61,19 @@ def import_ahead(actors: list, target: Target) -> list:
     return [a.warm.remote({}, steps, own_program_next=True, prepare=(runner, target)) for a in actors]
 
 
+def relay_for(ctx: LaunchContext, spec: LaunchSpec, gang: RankGang) -> OutputRelay:
+    """A placed gang's output relay (the pool's sink when the pool was taken), with its straggler
+    watch (driver/stragglers.py), which scores into the job's metrics when they are on."""
+    stragglers = StragglerWatch(
+        ctx.run.path,
+        [f"{s.node_ip} ({s.hostname})" for s in gang.slots],
+        on_scores=ctx.metrics.scores if spec.metrics is not MetricsMode.OFF else None,
+    )
+    nodes = [s.node_rank for s in gang.slots]
+    sink = open_sink(f"{gang.name}-output", ctx.run.path, nodes, spec.console_ranks, gang.pool_sink)
+    return OutputRelay(sink, spec.console_ranks, ctx.progress, stragglers)
+
+
 class Attempt:
     """One run of every rank: a gang, its output relay, and the next attempt's warm spares."""
 
@@ -75,10 +92,9 @@ class Attempt:
         self.imports_first = target.imports_first
         self.grow: GrowWatch | None = None  # once placed below MAX nodes
         name = spec.job_name if number == 0 else f"{spec.job_name}-a{number}"
-        self.gang = RankGang(
-            spec, ctx.stop, profile=ctx.profile, name=name, attempt=number, fixed_size=ctx.cluster.fixed_size,
-            avoid=frozenset(ctx.lost_nodes), scaling=ctx.scaling, growing=growing,
-        )  # fmt: skip
+        fixed, avoid = ctx.cluster.fixed_size, frozenset(ctx.lost_nodes)
+        ask = PlaceRequest(name, number, fixed, avoid, ctx.scaling, growing)
+        self.gang = RankGang(spec, ctx.stop, ctx.profile, ask)
         self.spares_in = spares_in  # given by the failed attempt, until adopted or discarded
         self.spares_out: SparePool | None = None  # started for the next attempt
         self.handed_over = False
@@ -108,19 +124,7 @@ class Attempt:
         if self.ctx.scaling.can_grow(self.spec.nodes):
             held = {s.node_id for s in gang.slots}
             self.grow = GrowWatch(self.spec, self.ctx.scaling, held, self.ctx.lost_nodes)
-        self.relay = OutputRelay(
-            f"{gang.name}-output",
-            self.ctx.run.path,
-            [s.node_rank for s in gang.slots],
-            self.spec.console_ranks,
-            self.ctx.progress,
-            started=gang.pool_sink,
-            stragglers=StragglerWatch(
-                self.ctx.run.path,
-                [f"{s.node_ip} ({s.hostname})" for s in gang.slots],
-                on_scores=self.ctx.metrics.scores if self.spec.metrics is not MetricsMode.OFF else None,
-            ),
-        )
+        self.relay = relay_for(self.ctx, self.spec, gang)
 
     def start(self) -> None:
         """Every rank's actor, port and env, recorded in the run directory; then the program starts
@@ -163,7 +167,7 @@ class Attempt:
         returned, a failure or a hang, or time to grow."""
         if self.supervision is None:
             self.supervision = Supervision(
-                self.gang,
+                self.gang.watch,
                 self.refs,
                 relay=self.relay,
                 hang_timeout_s=self.spec.hang_timeout_s,
@@ -198,7 +202,7 @@ class Attempt:
         """Every turn of the supervision: a stop signal (raises Interrupted), the nodes still answer,
         the next attempt's spares tended, and below MAX nodes, whether to grow."""
         self.stop.check()
-        if (failure := self.gang.check_nodes()) is not None:
+        if (failure := self.gang.watch.check_nodes()) is not None:
             return RanksFailed(failure)
         self._imported()
         self.ctx.metrics.progress(self.ctx.progress.stats)
@@ -247,13 +251,13 @@ class Attempt:
             self.gang.wait_stopped(self.refs, self.spec.kill_grace_s, frozen)
             if self.failure is not None:  # every rank that failed before the stop is listed (#45)
                 listed = {f.rank for f in self.failure.failures}
-                late = [f for f in self.gang.failed_before(self.refs, began) if f.rank not in listed]
+                late = [f for f in failed_before(self.gang.handles, self.refs, began) if f.rank not in listed]
                 if late:
                     self.failure.amend([*self.failure.failures, *late])
         self.gang.teardown(keep_groups=self.handed_over)
         self.ctx.lost_nodes |= self.gang.lost_nodes
         if not self.succeeded and self.relay is not None and self.relay.sink is not None:
-            self.gang.collect_output(self.failure)
+            self.gang.watch.last_words(self.failure)  # what the ranks printed last
         if self.spares_in is not None:  # given, but stopped before adopting them
             self.spares_in.discard(groups=True)
         if self.spares_out is not None and not self.handed_over:

@@ -7,52 +7,27 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import os
 import socket
-import threading
 import time
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
-from concurrent.futures import wait as wait_futures
 from typing import Any
 
 import ray
 
-from ..core.deaths import ProcessEnd, death_cause, describe_death, ray_teardown_crash, readable_tail
+from ..core.deaths import ProcessEnd, death_cause, describe_death, readable_tail
 from ..core.errors import FailureKind, RankFailedError, RankFailure
-from ..core.outbatch import Source
-from ..core.topology import RankReport, RankSlot, format_rank_ranges
-from ..rank.spool import exit_and_ship, exit_mark, exited_cleanly, ship, spool_files, spool_name
-from .actors import first_line, on_node, wait_all
+from ..core.topology import RankSlot, format_rank_ranges
+from ..rank.spool import exit_mark, exited_cleanly
+from .actors import first_line, on_node
 from .handle import RankHandle, failure_site
 from .liveness import NodeProbes
 from .process_ends import EndsWatch, ranks_by_node
-from .stop import StopSignal
+from .shipping import ship_from, shipped, spools_of, wait_shipped
 
 log = logging.getLogger("megaray")
 
 
 INSPECT_WAIT_S = 60.0  # for every node's reading of its ranks' stacks, together (not per node)
 SALVAGE_WAIT_S = 10.0  # for a dead rank's spool to reach the sink before the report is made
-
-
-def spool_path(report: RankReport, job: str, rank: int) -> str | None:
-    return os.path.join(report.log_dir, spool_name(job, rank, report.pid)) if report.log_dir else None
-
-
-def _spools(handles: list[RankHandle] | tuple[RankHandle, ...]) -> list[tuple[Source, str]]:
-    return [f for h in handles if h.spool for f in spool_files(h.slot.rank, h.spool)]
-
-
-def _tail(sink: Any, rank: int) -> list[str]:
-    try:
-        return ray.get(sink.tail.remote(rank), timeout=5) if sink is not None else []
-    except ray.exceptions.RayError:
-        return []
-
-
-def _mark(h: RankHandle) -> str | None:
-    return exit_mark(h.spool) if h.spool else None
 
 
 def _program_failure(h: RankHandle, out: Any) -> RankFailure:
@@ -76,59 +51,6 @@ def failed_before(handles: tuple[RankHandle, ...], refs: list, began: float) -> 
             if not out.ok and out.at and out.at < began:
                 found.append(_program_failure(handles[rank_of[ref]], out))
     return found
-
-
-def crash_on_exit(
-    h: RankHandle, tail: list[str] | tuple[str, ...], at: float, status: int | None = None
-) -> RankFailure:
-    """The failure of a rank whose program returned and whose process then died on its way out
-    (`status`: its exit status, where its node saw it exiting)."""
-    ended = ProcessEnd(h.report.pid, status) if status is not None else None
-    cause = death_cause(tail, None, ended) or "it ended without finishing its exit"
-    return RankFailure(
-        rank=h.slot.rank, node_ip=h.slot.node_ip, hostname=h.report.hostname, gpu=h.info.gpu,
-        kind=FailureKind.DIED,
-        summary=f"after the program returned, on its way out (exit handlers, threads): {cause}",
-        at=at, last_output=readable_tail(tail), local_rank=h.slot.local_rank, pid=h.report.pid,
-    )  # fmt: skip
-
-
-def _ship(node: str, sink: Any, spools: list[tuple[Source, str]]) -> Any:
-    """Ship `spools` (rank/spool.py `ship`) from their node: a task there, or, on the driver's own
-    node, a thread of the driver (a task would first wait for Ray to start a worker process, about a
-    second on a small machine, on the way to every failure report and to the exit after Ctrl-C).
-    An ObjectRef or a Future."""
-    if node == ray.get_runtime_context().get_node_id():
-        return _in_thread(ship, sink, spools, True)
-    return ray.remote(ship).options(**on_node(node)).remote(sink, spools, True)
-
-
-def _wait_shipped(pending: list[Any], timeout_s: float) -> set[Any]:
-    """Which of `pending` (ObjectRefs and Futures) are done within `timeout_s`, waited for together."""
-    deadline = time.monotonic() + timeout_s
-    refs = [p for p in pending if not isinstance(p, Future)]
-    done = set(ray.wait(refs, num_returns=len(refs), timeout=timeout_s)[0]) if refs else set()
-    futures = [p for p in pending if isinstance(p, Future)]
-    if futures:
-        done |= wait_futures(futures, timeout=max(0.0, deadline - time.monotonic())).done
-    return done
-
-
-def _shipped(x: Any) -> dict[str, Any]:
-    return x.result(timeout=0) if isinstance(x, Future) else ray.get(x, timeout=0)
-
-
-def _in_thread(fn: Any, *args: Any) -> Future:
-    future: Future = Future()
-
-    def run() -> None:
-        try:
-            future.set_result(fn(*args))
-        except BaseException as e:
-            future.set_exception(e)
-
-    threading.Thread(target=run, name="megaray-exit-watch", daemon=True).start()
-    return future
 
 
 def lost_summary(slots: list[RankSlot], how: str) -> str:
@@ -187,7 +109,8 @@ def _status(exit_code: int | None) -> int | None:
 class RankWatch:
     """How the running ranks of a gang end, and what the driver learns of them as they do: which
     nodes are lost, whose last output is being shipped, what a returned rank's process still runs.
-    The gang's supervise reads outcomes and hangs here; its teardown asks for the last words."""
+    It is what a Supervision looks at (driver/supervise.py: the calls that ended, their outcomes, a
+    hang's stacks, the nodes); the attempt's teardown asks it for the last words."""
 
     def __init__(
         self, handles: tuple[RankHandle, ...], sink: Any, probes: NodeProbes | None = None,
@@ -199,6 +122,14 @@ class RankWatch:
         self.salvaging: dict[int, Any] = {}  # rank -> the task shipping a dead rank's spool
         self.lingering: dict[int, list[str]] = {}  # what each returned rank's process still runs
         self.ends = EndsWatch(handles, forwarders or {})
+
+    @property
+    def world_size(self) -> int:
+        return len(self.handles)
+
+    def wait(self, refs: list, num_returns: int, timeout_s: float) -> tuple[list, list]:
+        """The ranks' calls (their programs) ended so far, as `ray.wait` (driver/supervise.py)."""
+        return ray.wait(refs, num_returns=num_returns, timeout=timeout_s)
 
     def check_nodes(self) -> RankFailedError | None:
         """The failure of the ranks whose process is ending, else of those of every node the probes
@@ -300,7 +231,7 @@ class RankWatch:
         sink = self.sink
         if sink is None or not handle.spool:
             return None
-        return _ship(handle.report.node_id, sink, _spools([handle]))
+        return ship_from(handle.report.node_id, sink, spools_of([handle]))
 
     def inspect_hang(self, idle_s: float) -> list[RankFailure]:
         """Every rank's state and stack, read by a task on its node; one failure per rank."""
@@ -332,64 +263,6 @@ class RankWatch:
             log.error("stack of %s (pid %s):\n%s", which, info["pid"], info["stack"].rstrip())
         return hang_failures(idle_s, [dataclasses.asdict(h.info) for h in handles], seen)
 
-    def exit_gracefully(self, grace_s: float, stop: StopSignal) -> list[RankFailure]:
-        """Watch the processes of ranks told to exit end as Python processes do (non-daemon threads
-        joined, atexit handlers run: trackers flush, uploads finish), each by a task on its node; kill
-        and name those still running after `grace_s`; then what they printed on the way out reaches
-        the sink. Ctrl-C stops the wait. Returns the ranks whose process died on the way out (a crash in
-        an exit handler, a signal, os._exit), each as a failure, as torchrun counts a worker's exit status.
-
-        The ranks on the driver's own node are watched from the driver, in a thread: a task there would
-        first wait for Ray to start a worker process, about a second on a small machine."""
-        handles, sink, lingering = self.handles, self.sink, self.lingering
-        by_node = ranks_by_node(handles)
-        here = ray.get_runtime_context().get_node_id()
-        task = ray.remote(exit_and_ship)
-        watches: dict[str, Any] = {}  # node -> the task's ref, or the driver thread's future
-        for node, hs in by_node.items():
-            args = ([h.report.pid for h in hs], grace_s, sink, _spools(hs), [_mark(h) for h in hs])
-            if node == here:
-                watches[node] = _in_thread(exit_and_ship, *args)
-            else:
-                watches[node] = task.options(**on_node(node)).remote(*args)
-        deadline = time.monotonic() + grace_s + 60
-        wait_all([w for w in watches.values() if not isinstance(w, Future)], grace_s + 60, stop)
-        for w in watches.values():
-            if isinstance(w, Future):
-                while not w.done() and time.monotonic() < deadline:
-                    stop.check()
-                    wait_futures([w], timeout=0.25)
-        killed, crashed = [], []
-        for node, w in watches.items():
-            try:
-                ended = w.result(timeout=0) if isinstance(w, Future) else ray.get(w, timeout=0)
-            except (ray.exceptions.RayError, FutureTimeout, OSError) as e:
-                log.warning("could not watch the ranks on node %s exit: %s", node[:8], first_line(e))
-                continue
-            for h, (took, clean, status) in zip(by_node[node], ended, strict=True):
-                if took is None:
-                    killed.append(h.slot.rank)
-                elif not clean:
-                    crashed.append((h.slot.rank, status))
-        if killed:
-            still = sorted({x for r in killed for x in lingering.get(r, [])})
-            log.warning(
-                "rank(s) %s still running %gs after the program returned (%s): killed; give them longer "
-                "with --exit-grace", format_rank_ranges(killed), grace_s, ", ".join(still) or "exit handlers",
-            )  # fmt: skip
-        at = time.time()
-        failures = []
-        for rank, status in crashed:
-            tail = _tail(sink, rank)
-            if ray_teardown_crash(tail):  # not the program's: its work is done, so it is not a failure
-                log.warning(
-                    "rank %d's process crashed in Ray's own teardown after the program returned (%s): not "
-                    "counted as a failure of the program", rank, readable_tail(tail)[-1] if tail else "?",
-                )  # fmt: skip
-                continue
-            failures.append(crash_on_exit(handles[rank], tail, at, status))
-        return failures
-
     def last_words(self, error: RankFailedError | None) -> None:
         """After an attempt ended badly: ship every rank's spool still on a live node, so the rank logs
         hold what each printed to its end; a dead rank's failure gets its last lines and, where they or
@@ -398,11 +271,11 @@ class RankWatch:
         if sink is None or not handles:
             return
         rest = [h for h in handles if h.slot.rank not in salvaging and not lost.get(h.report.node_id)]
-        refs = [_ship(node, sink, _spools(hs)) for node, hs in ranks_by_node(tuple(rest)).items()]
+        refs = [ship_from(node, sink, spools_of(hs)) for node, hs in ranks_by_node(tuple(rest)).items()]
         # nothing from a node found lost since: it would answer nothing
         on_lost = {h.slot.rank for h in handles if lost.get(h.report.node_id)}
         pending = [r for rank, r in salvaging.items() if r is not None and rank not in on_lost] + refs
-        ready = _wait_shipped(pending, SALVAGE_WAIT_S)
+        ready = wait_shipped(pending, SALVAGE_WAIT_S)
         if error is None:
             return
         amended = []
@@ -412,13 +285,13 @@ class RankWatch:
                 amended.append(f)
                 continue
             try:
-                shipped = _shipped(ref) if ref in ready else {}
+                got = shipped(ref) if ref in ready else {}
                 tail = tuple(ray.get(sink.tail.remote(f.rank), timeout=5))
             except (ray.exceptions.RayError, OSError) as e:
                 log.warning("could not read what rank %d printed last: %s", f.rank, first_line(e))
                 amended.append(f)
                 continue
-            before, after = handles[f.rank].report.oom_kills, shipped.get("oom_kills")
+            before, after = handles[f.rank].report.oom_kills, got.get("oom_kills")
             ended = ProcessEnd(f.pid or 0, _status(f.exit_code))
             cause = death_cause(tail, after - before if None not in (before, after) else None, ended)
             summary = cause or f.summary

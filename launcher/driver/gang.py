@@ -10,41 +10,38 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Mapping
 from typing import Any
 
 import ray
 
-from ..core.elastic import ScalingPolicy
 from ..core.errors import (
     ClusterError,
     Interrupted,
     MegarayError,
     RankFailedError,
-    RankFailure,
     ResourceError,
     UsageError,
 )
-from ..core.rankenv import EnvDecision, decide_envs, redact, startup_env
-from ..core.shellenv import startup_not_forwarded
+from ..core.rankenv import EnvDecision, decide_envs, startup_env
 from ..core.spec import LaunchSpec
 from ..core.target import Target
 from ..core.topology import (
     RankReport,
     RankSlot,
-    format_rank_ranges,
-    format_table,
 )
 from . import placement, ports
 from .actors import first_line, kill_actors, start_rank_actor, wait_all
 from .cluster import check_versions
-from .endings import RankWatch, fail_if_lost, failed_before, node_lost, silent, spool_path
+from .endings import RankWatch, fail_if_lost, node_lost, silent
+from .exits import exit_gracefully
 from .handle import RankHandle, RankInfo
 from .links import check_rendezvous
 from .liveness import NodeProbes, raylet_addresses
-from .sources import Placed, rank_sources
+from .rank_view import log_env, log_topology
+from .shipping import spool_path
+from .sources import Placed, PlaceRequest, rank_sources
 from .spares import SparePool
 from .stop import StopSignal
 from .targets import runner_for
@@ -72,15 +69,6 @@ def sized(spec: LaunchSpec, placed: Placed) -> LaunchSpec:
     return spec.at_nodes(placed.size.nodes)
 
 
-def env_records(handles: tuple[RankHandle, ...], envs: list[dict[str, str]]) -> list[dict[str, Any]]:
-    """env.json: what megaray set on each rank, its notes, and the whole env its process had."""
-    return [
-        {"rank": h.slot.rank, "set_by_megaray": redact(h.env.to_set), "notes": h.env.notes,
-         "process": redact(env)}
-        for h, env in zip(handles, envs, strict=True)
-    ]  # fmt: skip
-
-
 class RankGang:
     """Start with `place()` then `start()`; run with `run()` or `call()`; end with `teardown()`.
 
@@ -89,25 +77,13 @@ class RankGang:
     """
 
     def __init__(
-        self,
-        spec: LaunchSpec,
-        stop: StopSignal,
-        *,
-        profile: dict[str, str],
-        name: str,
-        attempt: int = 0,
-        fixed_size: bool = False,
-        gpu_share: float = 1.0,
-        host: RankGang | None = None,
-        avoid: frozenset[str] = frozenset(),
-        scaling: ScalingPolicy | None = None,
-        growing: bool = False,
-    ):
-        self.spec, self.stop, self.profile = spec, stop, profile
-        self.avoid = avoid  # nodes an earlier attempt found lost: never placed on again
-        self.scaling = scaling or ScalingPolicy(spec.node_range)  # --nodes MIN:MAX: the counts it runs on
-        self.growing = growing  # a relaunch on more nodes (--nodes MIN:MAX), not after a failure
-        self.name, self.attempt, self.fixed_size = name, attempt, fixed_size
+        self, spec: LaunchSpec, stop: StopSignal, profile: dict[str, str], ask: PlaceRequest, *,
+        gpu_share: float = 1.0, host: RankGang | None = None,
+    ):  # fmt: skip
+        """`ask`: where its ranks may come from (driver/sources.py); `profile`: the EFA/NCCL
+        variables every rank gets."""
+        self.spec, self.stop, self.profile, self.ask = spec, stop, profile, ask
+        self.name, self.attempt = ask.name, ask.attempt
         self.gpu_share, self.host = gpu_share, host
         # what every rank's process must have from its start (PYTHONHASHSEED, LD_PRELOAD, ...)
         self.start_env = startup_env(profile=profile, overrides=spec.env_overrides)
@@ -140,10 +116,7 @@ class RankGang:
 
     def start_spares(self, name: str) -> SparePool:
         """The next attempt's warm spares, one per rank in this gang's bundles (driver/spares.py)."""
-        return SparePool(
-            name, self.spec.job_name, self.spec.target, self.groups, self.slots, self.reports,
-            [h.env.to_set for h in self.handles], self.start_env,
-        )  # fmt: skip
+        return SparePool(name, self.spec, self.groups, self.handles, self.start_env)
 
     # -- start ------------------------------------------------------------------------------------
     @property
@@ -163,11 +136,7 @@ class RankGang:
         spec = self.spec
         announce(spec)
         host = (self.host.groups, self.host.slots) if self.host is not None else None
-        sources = rank_sources(
-            spec, self.name, self.stop, first=self.attempt == 0, fixed_size=self.fixed_size,
-            start_env=self.start_env, spares=spares, host=host, avoid=self.avoid,
-            scaling=self.scaling, growing=self.growing,
-        )  # fmt: skip
+        sources = rank_sources(spec, self.stop, self.ask, self.start_env, spares, host)
         placed = next(p for p in (source.take() for source in sources) if p is not None)
         self.spec = sized(spec, placed)
         self.placed, self.groups, self.slots = placed, placed.groups, placed.slots
@@ -197,27 +166,7 @@ class RankGang:
             )
         )
         self.watch = RankWatch(self.handles, sink, probes, dict(outputs or {}) if sink is not None else None)
-        refs = [
-            h.actor.setup.remote(
-                h.env.to_set,
-                (outputs or {})[h.slot.node_id] if sink is not None else None,
-                h.report.gpu_ids if self.adopted else None,
-                h.replaces_pid,
-                h.spool,
-                h.slot.rank,
-                host_store=h.slot.rank == 0,
-            )
-            for h in self.handles
-        ]
-        try:
-            envs, took_over = zip(*ray.get(refs), strict=True)
-        except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, MegarayError):
-                raise e.cause from None
-            raise
-        if any(took_over):
-            log.info("the spares took over: %s", "; ".join(
-                f"rank {r}: {how}" for r, how in enumerate(took_over) if how))  # fmt: skip
+        envs = set_up(self.handles, outputs if sink is not None else None, self.adopted)
         self.mark("env_set")
         self.master = master
         log_topology(self.ranks, self.master)
@@ -271,37 +220,16 @@ class RankGang:
     def call(self, fn: Any, per_rank_args: list[tuple], kwargs: dict) -> list:
         return [a.call.remote(fn, args, kwargs) for a, args in zip(self.actors, per_rank_args, strict=True)]
 
-    def wait(self, refs: list, num_returns: int, timeout_s: float) -> tuple[list, list]:
-        return ray.wait(refs, num_returns=num_returns, timeout=timeout_s)
-
-    def outcome(self, ref: Any, rank: int) -> tuple[bool, Any]:
-        return self.watch.outcome(ref, rank)
-
-    def inspect_hang(self, idle_s: float) -> list[RankFailure]:
-        return self.watch.inspect_hang(idle_s)
-
-    def check_nodes(self) -> RankFailedError | None:
-        """The failure of the ranks whose process ends or whose node stopped answering (endings.py)."""
-        return self.watch.check_nodes()
-
     @property
     def lost_nodes(self) -> set[str]:
         return {node for node, gone in self.watch.lost.items() if gone}
-
-    def failed_before(self, refs: list, began: float) -> list[RankFailure]:
-        """Ranks whose program failed before their stop began (endings.py)."""
-        return failed_before(self.handles, refs, began)
-
-    def collect_output(self, error: RankFailedError | None) -> None:
-        """After a failed or stopped attempt: what the ranks printed last (endings.py)."""
-        self.watch.last_words(error)
 
     def exit_gracefully(self, grace_s: float) -> None:
         """After every rank returned: each process ends as a Python process does, watched on its
         node; one still running after `grace_s` is killed and named (endings.py)."""
         for a in self.actors:
             a.leave.remote()  # rank/actor.py: output to its spool from here, then exit
-        crashed = self.watch.exit_gracefully(grace_s, self.stop)
+        crashed = exit_gracefully(self.handles, self.watch.sink, self.watch.lingering, grace_s, self.stop)
         self.mark("exited")
         if crashed:
             raise RankFailedError(crashed, self.world_size)
@@ -331,6 +259,34 @@ class RankGang:
             ports.release(*self.port_reserved)
             self.port_reserved = None
         self.mark("torn_down")
+
+
+def set_up(handles: tuple[RankHandle, ...], outputs: Mapping[str, Any] | None, adopted: bool) -> list[dict]:
+    """Each rank's env set in its process, its output captured to its node's forwarder (`outputs`, by
+    node; None: Ray streams it) and, for adopted processes (spares, the pool), its GPUs given; rank 0
+    serves the store. Returns the whole environment each rank's process then has, by rank."""
+    refs = [
+        h.actor.setup.remote(
+            h.env.to_set,
+            outputs[h.slot.node_id] if outputs is not None else None,
+            h.report.gpu_ids if adopted else None,
+            h.replaces_pid,
+            h.spool,
+            h.slot.rank,
+            host_store=h.slot.rank == 0,
+        )
+        for h in handles
+    ]
+    try:
+        envs, took_over = zip(*ray.get(refs), strict=True)
+    except ray.exceptions.RayTaskError as e:
+        if isinstance(e.cause, MegarayError):
+            raise e.cause from None
+        raise
+    if any(took_over):
+        log.info("the spares took over: %s", "; ".join(
+            f"rank {r}: {how}" for r, how in enumerate(took_over) if how))  # fmt: skip
+    return list(envs)
 
 
 def choose_port(
@@ -374,69 +330,3 @@ def gang_envs(
         forwarded=dict(spec.forwarded),
         ifaces=[r.iface for r in reports],
     )
-
-
-TABLE_MAX_RANKS = 64  # a topology up to this size is shown rank by rank; a larger one, by node
-TABLE_END_NODES = 4  # nodes shown at each end of a larger one
-
-
-def log_topology(ranks: tuple[RankInfo, ...], master: tuple[str, int]) -> None:
-    """The ranks' table, on one screen: rank by rank for a small job; node by node, the first and
-    last few, for a large one (topology.json in the run directory has every rank)."""
-    head = f"topology (MASTER_ADDR={master[0]} MASTER_PORT={master[1]})"
-    if len(ranks) <= TABLE_MAX_RANKS:
-        rows = [("rank", "node", "ip", "host", "local_rank", "gpu", "pid")]
-        rows += [
-            (
-                str(r.rank),
-                str(r.node_rank),
-                r.node_ip,
-                r.hostname,
-                str(r.local_rank),
-                r.gpu or "-",
-                str(r.pid),
-            )
-            for r in ranks
-        ]
-        log.info("%s:\n%s", head, format_table(rows, "  "))
-        return
-    nodes: dict[int, list[RankInfo]] = {}
-    for r in ranks:
-        nodes.setdefault(r.node_rank, []).append(r)
-    order = sorted(nodes)
-    ends = TABLE_END_NODES
-    shown = order if len(order) <= 2 * ends else [*order[:ends], *order[-ends:]]
-    rows = [("ranks", "node", "ip", "host")]
-    for i, n in enumerate(shown):
-        if i == ends and len(shown) < len(order):
-            rows.append(("...", f"{len(order) - len(shown)} more nodes", "", ""))
-        on = nodes[n]
-        rows.append((format_rank_ranges([r.rank for r in on]), str(n), on[0].node_ip, on[0].hostname))
-    log.info(
-        "%s, %d ranks on %d nodes (every rank in topology.json):\n%s",
-        head, len(ranks), len(order), format_table(rows, "  "),
-    )  # fmt: skip
-
-
-def log_env(handles: tuple[RankHandle, ...], spec: LaunchSpec, profile: Mapping[str, str]) -> None:
-    """Rank 0's env, then each note about a node value that was changed, with the ranks it concerns.
-    Values given with --env are never printed, and the shell's forwarded variables are left out (the
-    launch named them): the console ends up in job logs. A start-up variable of the shell that the
-    ranks' processes lack is told once, with how to forward it (core/shellenv.py)."""
-    shell = {k for k, _ in spec.forwarded} - set(spec.env_overrides)
-    first = {k: ("<not shown>" if k in spec.env_overrides else v)
-             for k, v in redact(handles[0].env.to_set).items() if k not in shell}  # fmt: skip
-    log.info("env of rank 0: %s", " ".join(f"{k}={v}" for k, v in sorted(first.items())))
-    given = {**profile, **spec.env_overrides}
-    missed = startup_not_forwarded(os.environ, handles[0].report.inherited_env, given)
-    if missed:
-        log.info(
-            "not forwarded from this shell: %s (start-up variables, which a process must start with: "
-            "--env NAME forwards one, and starts the ranks' processes with it)", ", ".join(missed),
-        )  # fmt: skip
-    notes: dict[str, list[int]] = {}
-    for h in handles:
-        for note in h.env.notes:
-            notes.setdefault(note, []).append(h.slot.rank)
-    for note, ranks in notes.items():
-        log.warning("env on rank(s) %s: %s", format_rank_ranges(ranks), note)

@@ -22,6 +22,7 @@ from ..core.target import GROUP_TARGET
 from .cluster import connect
 from .gang import RankGang
 from .handle import RankInfo
+from .sources import PlaceRequest
 from .stop import StopSignal
 from .supervise import supervise
 
@@ -91,9 +92,8 @@ class RankGroup:
         self._gang = RankGang(
             self.spec,
             self._stop,
-            profile=profile,
-            name=self.spec.job_name,
-            fixed_size=cluster.fixed_size,
+            profile,
+            PlaceRequest(self.spec.job_name, fixed_size=cluster.fixed_size),
             gpu_share=gpu_share,
             host=colocate_with._gang if colocate_with is not None else None,
         )
@@ -142,7 +142,7 @@ class RankGroup:
 
     def _supervise(self, refs: list) -> tuple:
         try:
-            return supervise(self._gang, refs, self._stop)
+            return supervise(self._gang.watch, refs, self._stop)
         except RankFailedError as e:
             e.ending = (
                 "The rank group is still up, its other ranks untouched: call shutdown() if a rank died."

@@ -5,12 +5,12 @@ plain `megaray up` has imported nothing (a Ray worker's start is about a CPU-sec
 the launch's largest cost after the imports, and those stay the program's own).
 
 Warm spares (spares.py) do this within a job, for a restart; the pool does it for the next launch.
-After a launch, a warm pool (not a recipe's) refills with what that launch's ranks imported ahead.
 A launch whose layout is the pool's claims it (the first to ask gets it), gives each process its
 rank and env as any rank gets them, and runs the program there as torchrun would (`__main__`,
 argv, cwd; the program's own modules are imported fresh, since only torch and the launcher's stack
 were imported ahead). The processes and groups are detached: they outlive the launch that made them.
-After a launch took the pool, the next one is started in the background, for the launch after.
+After a launch took the pool, the next one is started in the background, for the launch after: a
+warm pool (not a recipe's) with what that launch's ranks imported ahead.
 An idle pool gives its bundles (GPUs included) back after `--idle-timeout`.
 
 The layout is recorded in the cluster's own key-value store (the GCS), not on the machine that
@@ -325,8 +325,7 @@ def _groups(layout: PoolLayout) -> list:
 
 def give_back(layout: PoolLayout) -> bool:
     """Remove the pool's groups (which ends its processes) and its sinks; whether there were groups."""
-    groups = _groups(layout)
-    placement.remove_groups(groups)
+    placement.remove_groups(groups := _groups(layout))
     _stop_sinks()
     return bool(groups)
 

@@ -246,32 +246,35 @@ def start_forwarders(
     }
 
 
+def open_sink(
+    name: str, run_dir: Path, node_of_rank: list[int], console: frozenset[int], started: Any = None
+) -> Any:
+    """An attempt's sink, writing into `run_dir`: `started`, one already running on the driver's node
+    (a pool's), once it took the attempt's layout, else one started now."""
+    if started is not None:
+        try:
+            ray.get(started.configure.remote(str(run_dir.resolve()), node_of_rank, console), timeout=10)
+            return started
+        except (ray.exceptions.RayError, TimeoutError):
+            kill_actors([started])
+    return start_sink(name).remote(str(run_dir.resolve()), node_of_rank, console)
+
+
 class OutputRelay:
     """The sink of one attempt, and what the driver has seen of the ranks through it."""
 
     def __init__(
         self,
-        name: str,
-        run_dir: Path,
-        node_of_rank: list[int],
+        sink: Any,
         console: frozenset[int],
         progress: ProgressView,
-        started: Any = None,
         stragglers: StragglerWatch | None = None,
     ):
-        """`started`: a sink already running on the driver's node (a pool's), else one is started.
+        """`sink`: the attempt's (`open_sink`); `console`: the ranks whose lines are shown;
         `stragglers` is given the ranks' wait samples."""
         self.progress = progress
         self.stragglers = stragglers
-        self.sink: Any = started
-        if started is not None:
-            try:
-                ray.get(started.configure.remote(str(run_dir.resolve()), node_of_rank, console), timeout=10)
-            except (ray.exceptions.RayError, TimeoutError):
-                kill_actors([started])
-                self.sink = None
-        if self.sink is None:
-            self.sink = start_sink(name).remote(str(run_dir.resolve()), node_of_rank, console)
+        self.sink: Any = sink
         self.console = console
         self.forwarders: dict[str, Any] = {}  # by node id
         self.lost: set[str] = set()  # nodes found lost: their forwarders are not waited for

@@ -28,6 +28,22 @@ RELAUNCH_SETTLE_S = 5.0
 GROW_SETTLE_S = 60.0
 
 
+@dataclass(frozen=True)
+class PlaceRequest:
+    """What a gang asks of the sources besides its spec: its `name` (its placement groups are
+    `{name}-node{i}`), its `attempt` (only a launch's first may take the warm pool, and its job name
+    must be free on the cluster), whether the cluster can grow (`fixed_size`: a layout that does not
+    fit fails at once), the nodes an earlier attempt lost (`avoid`), the launch's `scaling` policy,
+    and whether it is a grow's relaunch (`growing`: it waits for the nodes it saw room for)."""
+
+    name: str
+    attempt: int = 0
+    fixed_size: bool = False
+    avoid: frozenset[str] = frozenset()
+    scaling: ScalingPolicy | None = None
+    growing: bool = False
+
+
 class Source(StrEnum):
     SPARES = "warm spares"  # the previous attempt's, already importing in the same bundles
     HOST = "host bundles"  # another gang's bundles, shared rank for rank
@@ -159,22 +175,21 @@ class Fresh:
 
 
 def rank_sources(
-    spec: LaunchSpec, name: str, stop: StopSignal, *, first: bool, fixed_size: bool,
-    start_env: dict[str, str], spares: SparePool | None = None,
-    host: tuple[list, list[RankSlot]] | None = None, avoid: frozenset[str] = frozenset(),
-    scaling: ScalingPolicy | None = None, growing: bool = False,
+    spec: LaunchSpec, stop: StopSignal, ask: PlaceRequest, start_env: dict[str, str],
+    spares: SparePool | None = None, host: tuple[list, list[RankSlot]] | None = None,
 ) -> list[RankSource]:  # fmt: skip
     """In the order they are tried. The pool serves only a launch's first attempt (a relaunch has its
     spares, or places anew), and a first attempt's job name must be free on the cluster."""
     sources: list[RankSource] = []
     if spares is not None:
-        sources.append(FromSpares(spares, stop, avoid, spec, scaling))
+        sources.append(FromSpares(spares, stop, ask.avoid, spec, ask.scaling))
     if host is not None:
         return [*sources, FromHost(*host)]
+    first = ask.attempt == 0
     if first:
         placement.check_name_free(spec.job_name)
         sources.append(FromPool(spec, stop, start_env))
     # a relaunch with --nodes MIN:MAX goes on at once with the nodes that hold a group now; a grow's
     # waits for the nodes it saw room for
-    settle_s = None if first else GROW_SETTLE_S if growing else RELAUNCH_SETTLE_S
-    return [*sources, Fresh(spec, name, stop, fixed_size, avoid, scaling, settle_s)]
+    settle_s = None if first else GROW_SETTLE_S if ask.growing else RELAUNCH_SETTLE_S
+    return [*sources, Fresh(spec, ask.name, stop, ask.fixed_size, ask.avoid, ask.scaling, settle_s)]

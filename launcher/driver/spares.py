@@ -23,10 +23,11 @@ from enum import Enum
 import ray
 from ray.util.placement_group import placement_group_table
 
-from ..core.target import Target
-from ..core.topology import NodeSlot, RankReport, RankSlot, assign_ranks, order_nodes, renumbered
+from ..core.spec import LaunchSpec
+from ..core.topology import NodeSlot, RankReport, assign_ranks, order_nodes, renumbered
 from . import placement
 from .actors import first_line, kill_actors, start_rank_actor, wait_all
+from .handle import RankHandle
 from .stop import StopSignal
 from .targets import runner_for
 
@@ -53,14 +54,18 @@ class SparePool:
     """One spare actor per rank for the next attempt, in the ranks' own bundles, with no resources of
     their own; it keeps the attempt's placement groups, slots, GPU ids and process ids."""
 
-    def __init__(self, name: str, job: str, target: Target, groups: list, slots: list[RankSlot],
-                 reports: list[RankReport], envs: list[dict[str, str]],
-                 start_env: dict[str, str] | None = None):  # fmt: skip
-        self.groups, self.slots = groups, slots
-        self.gpu_ids = [r.gpu_ids for r in reports]
-        self.replaces_pids = [r.pid for r in reports]
+    def __init__(
+        self, name: str, spec: LaunchSpec, groups: list, ranks: tuple[RankHandle, ...],
+        start_env: dict[str, str] | None = None,
+    ):  # fmt: skip
+        """`name`: the next attempt's; `ranks`: the running attempt's, in `groups`, whose env each
+        spare is given to import with."""
+        self.groups, self.slots = groups, [h.slot for h in ranks]
+        self.gpu_ids = [h.report.gpu_ids for h in ranks]
+        self.replaces_pids = [h.report.pid for h in ranks]
+        slots, target, envs = self.slots, spec.target, [h.env.to_set for h in ranks]
         self.actors = [
-            start_rank_actor(None, groups[s.group], s.bundle, job=job, rank=s.rank,
+            start_rank_actor(None, groups[s.group], s.bundle, job=spec.job_name, rank=s.rank,
                              node_ip=s.node_ip, num_cpus=0, num_gpus=0,  # the bundle holds the resources
                              start_env=start_env)
             for s in slots

@@ -24,7 +24,7 @@ from typing import Any
 import ray
 
 from ..core.errorfile import RecordedError, parse_error_file
-from ..core.errors import ClusterError, FailureKind
+from ..core.errors import FailureKind
 from ..core.outcome import RankOutcome
 from ..core.rankenv import NODE_DEFAULTS
 from ..core.runner import TargetRunner
@@ -47,6 +47,22 @@ from .spool import exit_mark, log_dir, mark_exit, mark_os_exit_zero, oom_kills
 _THIS_FILE = str(Path(__file__).resolve())
 # the frames before the target's (runpy is frozen in Python 3.12)
 _NOISE = (_THIS_FILE, runpy.__file__, "<frozen runpy>")
+
+
+def error_file(spool: str) -> str:
+    """Where torch elastic's @record writes the error of a failed rank, as under torchrun: set for the
+    program, and emptied of an earlier attempt's."""
+    path = spool.removesuffix(".out") + "-error.json"
+    os.environ["TORCHELASTIC_ERROR_FILE"] = path
+    Path(path).unlink(missing_ok=True)
+    return path
+
+
+def mark_exits(spool: str) -> None:
+    """Leave a mark when the process exits (registered before the program's atexit handlers: it runs
+    after them), and on the program's os._exit(0), a success too (rank/spool.py)."""
+    atexit.register(mark_exit, exit_mark(spool))
+    mark_os_exit_zero(exit_mark(spool))
 
 
 class RankActor:
@@ -183,16 +199,9 @@ class RankActor:
             how = wait_replaced(replaces_pid, self.gpu_use, REPLACED_EXIT_TIMEOUT_S)
             self.took_over = f"{how} after {time.monotonic() - started:.2f} s"
         if host_store and self.store_host is None:
-            from .store import PortTaken, StoreHost
+            from .store import serve_store
 
-            addr, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
-            try:
-                self.store_host = StoreHost(addr, port)
-            except PortTaken as e:
-                raise ClusterError(
-                    f"MASTER_PORT {port} on {addr} was taken by another process after megaray found it "
-                    f"free ({e}): launch again, or choose a port with --master-port"
-                ) from None
+            self.store_host = serve_store(env["MASTER_ADDR"], int(env["MASTER_PORT"]))
         os.environ.update(env)
         # A plain process's SIGTERM, as under torchrun: it ends the rank at once unless the program
         # installs a handler of its own (Megatron-Bridge saves a checkpoint in one). Ray's worker
@@ -201,13 +210,9 @@ class RankActor:
         as_a_plain_process()
         match_thread_pools()
         if spool is not None:
-            # where torch elastic's @record writes the error of a failed rank, as under torchrun
-            self.error_file = spool.removesuffix(".out") + "-error.json"
-            os.environ["TORCHELASTIC_ERROR_FILE"] = self.error_file
-            Path(self.error_file).unlink(missing_ok=True)
-            if not self.exit_marked:  # registered before the program's handlers: it runs after them
-                atexit.register(mark_exit, exit_mark(spool))
-                mark_os_exit_zero(exit_mark(spool))  # the program's os._exit(0): a success too
+            self.error_file = error_file(spool)
+            if not self.exit_marked:
+                mark_exits(spool)
                 self.exit_marked = True
         self.atexit_before = atexit._ncallbacks()
         if sink is not None and spool is not None and self.capture is None:

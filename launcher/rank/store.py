@@ -75,3 +75,16 @@ class StoreHost:
                 file=sys.stderr,
                 flush=True,
             )
+
+
+def serve_store(addr: str, port: int) -> StoreHost:
+    """Rank 0's store on MASTER_PORT, or one line saying the port was taken since it was found free."""
+    from ..core.errors import ClusterError
+
+    try:
+        return StoreHost(addr, port)
+    except PortTaken as e:
+        raise ClusterError(
+            f"MASTER_PORT {port} on {addr} was taken by another process after megaray found it "
+            f"free ({e}): launch again, or choose a port with --master-port"
+        ) from None
