@@ -8,7 +8,7 @@ import pytest
 from launcher.cli import main
 from launcher.core.errors import UsageError
 from launcher.core.spec import LaunchSpec, spec_from_args
-from launcher.core.target import DRY_RUN_TARGET, Target, check_target_locally
+from launcher.core.target import DRY_RUN_TARGET, Target
 
 
 def test_spec_from_args_reads_the_torchrun_shape(tmp_path):
@@ -77,6 +77,34 @@ def test_spec_validates_itself():
         LaunchSpec(
             nodes=1, gpus_per_node=1, target=Target("script", "x.py"), job_name="j", kill_grace_s=float("nan")
         )
+
+
+def check_target_locally(target: Target, cwd: str) -> None:
+    """What the launch does first with its target (driver/launch.py): its runner's local checks."""
+    from launcher.driver.targets import runner_for
+
+    runner_for(target).check_locally(target, cwd)
+
+
+def test_each_kind_of_target_is_described_by_its_runner():
+    """The registry's hooks (core/runner.py): a new kind of target says how it reads in its own module."""
+    from launcher.core.target import GROUP_TARGET
+    from launcher.driver.targets import RUNNERS, runner_for
+
+    shown = {
+        kind: runner_for(Target(kind, name, ("a=1",))).describe(Target(kind, name, ("a=1",)))
+        for kind, name in [("script", "train.py"), ("module", "pkg.train"), ("entrypoint", "pkg.train:main")]
+    }
+    assert shown == {
+        "script": "train.py a=1",
+        "module": "-m pkg.train a=1",
+        "entrypoint": "pkg.train:main a=1",
+    }
+    assert runner_for(DRY_RUN_TARGET).describe(DRY_RUN_TARGET).startswith("dry run (rendezvous check")
+    assert (
+        runner_for(GROUP_TARGET).describe(GROUP_TARGET) == "rank group (functions called from this process)"
+    )
+    assert set(RUNNERS) == set(type(DRY_RUN_TARGET.kind))  # every kind has its runner
 
 
 def test_missing_targets_are_caught_in_the_driver(tmp_path):

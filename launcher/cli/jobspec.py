@@ -23,9 +23,9 @@ from ..core.errors import UsageError
 from ..core.raytoken import auth_disabled, find_token
 from ..core.spec import LaunchSpec, spec_from_args
 from ..core.spec import build_parser as build_launch_parser
-from ..core.target import TargetKind, check_target_locally
 from ..core.topology import format_table
 from ..core.versions import megaray_version, python_version
+from ..driver.targets import runner_for
 
 log = logging.getLogger("megaray")
 
@@ -194,23 +194,8 @@ def _parse_runtime_env(text: str | None) -> dict[str, Any]:
 
 
 def _check_target(launch: LaunchSpec, local_dir: str | None, has_working_dir: bool) -> None:
-    """A script must be in the uploaded folder; a module or entrypoint there must define the function."""
-    target = launch.target
-    if target.kind is TargetKind.SCRIPT and not os.path.isabs(target.name):
-        if not has_working_dir:
-            raise UsageError(
-                f"script {target.name} is a relative path but nothing is uploaded: add --working-dir with "
-                "the folder that holds it"
-            )
-        if local_dir:
-            check_target_locally(target, str(Path(local_dir).resolve()))
-    elif target.kind in (TargetKind.MODULE, TargetKind.ENTRYPOINT):
-        try:
-            check_target_locally(target, str(Path(local_dir or ".").resolve()))
-        except UsageError as e:
-            if "no module named" not in str(e):
-                raise
-            log.warning("%s is not here; submitting anyway, assuming the cluster has it", target.name)
+    """What the target's runner can tell from the uploaded folder (core/runner.py `check_submitted`)."""
+    runner_for(launch.target).check_submitted(launch.target, local_dir, has_working_dir)
 
 
 def package_excludes(root: Path, user_excludes: list[str] | tuple[str, ...] = ()) -> list[str]:
@@ -284,7 +269,7 @@ def job_metadata(spec: SubmitSpec) -> dict[str, str]:
     return {
         "megaray.version": megaray_version(),
         "megaray.layout": f"{launch.nodes}x{launch.gpus_per_node} {launch.device}",
-        "megaray.target": launch.target.describe(),
+        "megaray.target": runner_for(launch.target).describe(launch.target),
         "megaray.argv": json.dumps(list(spec.launch_argv)),
     }
 

@@ -92,6 +92,18 @@ class TargetRunner:
         return tuple({inspect.getfile(c) for c in type(self).__mro__ if c is not object})
 
     # -- in the driver ------------------------------------------------------------------------------
+    def describe(self, target: Target) -> str:
+        """The target in one line, for the console and `megaray status`."""
+        return " ".join([target.name, *target.args])
+
+    def check_locally(self, target: Target, cwd: str) -> None:
+        """Bad input the driver can find before anything is placed (UsageError): `cwd` is the
+        launch's working folder, as the ranks will read it."""
+
+    def check_submitted(self, target: Target, local_dir: str | None, uploads: bool) -> None:
+        """`megaray submit`: what can be told of the target from the folder it uploads (`local_dir`,
+        when it is local; `uploads`: whether a working folder is uploaded at all)."""
+
     def preflight(self, spec: LaunchSpec) -> Verdict:
         """What can be checked before the program starts: its verdict, now or on its way."""
         return Verdict()
@@ -124,3 +136,6 @@ class RankGroupRunner(TargetRunner):
     through Ray's own log streaming: the group has no output sink."""
 
     relays_output = False
+
+    def describe(self, target: Target) -> str:
+        return "rank group (functions called from this process)"

@@ -51,18 +51,6 @@ class Target:
         if self.kind is TargetKind.MODULE and not _MODULE.match(self.name):
             raise ValueError(f"-m {self.name!r} is not a module name such as pkg.train")
 
-    def describe(self) -> str:
-        shown = {
-            TargetKind.SCRIPT: self.name,
-            TargetKind.MODULE: f"-m {self.name}",
-            TargetKind.ENTRYPOINT: self.name,
-            TargetKind.MEGATRON: f"Megatron-Bridge pretrain(), recipe {self.name}",
-            TargetKind.DRYRUN: "dry run (rendezvous check, then a tiny Megatron GPT where megatron-core is "
-            "installed)",
-            TargetKind.GROUP: "rank group (functions called from this process)",
-        }
-        return " ".join([shown[self.kind], *self.args])
-
 
 DRY_RUN_TARGET = Target(TargetKind.DRYRUN, "launcher.megatron.dryrun:check_and_train")
 GROUP_TARGET = Target(TargetKind.GROUP, "rank group")
@@ -99,35 +87,33 @@ def dry_run_trains(args: list[str] | tuple[str, ...]) -> bool:
     return parse_dry_run_options(args).get("steps") != 0
 
 
-def check_target_locally(target: Target, cwd: str) -> None:
-    """Catch a missing script or entrypoint in the driver, before anything is placed.
+def check_dry_run_data(args: tuple[str, ...], cwd: str) -> None:
+    """`--dry-run data=PREFIX`: the Megatron indexed dataset is there (relative to `cwd`)."""
+    prefix = parse_dry_run_options(args).get("data")
+    if prefix and missing_data([os.path.join(cwd, prefix)]):
+        raise UsageError(
+            f"--dry-run data={prefix}: no {prefix}.bin and .idx (looked in {cwd}); give the prefix of a "
+            "Megatron indexed dataset, which `python examples/data/prepare.py` makes from a text file"
+        )
 
-    The entrypoint's module is located and parsed, not imported: importing user code in the driver
-    could import torch or start work there.
-    """
-    if target.kind is TargetKind.DRYRUN:
-        prefix = parse_dry_run_options(target.args).get("data")
-        if prefix and missing_data([os.path.join(cwd, prefix)]):
-            raise UsageError(
-                f"--dry-run data={prefix}: no {prefix}.bin and .idx (looked in {cwd}); give the prefix of a "
-                "Megatron indexed dataset, which `python examples/data/prepare.py` makes from a text file"
-            )
-        return
-    if target.kind is TargetKind.SCRIPT:
-        path = os.path.join(cwd, target.name)
-        if os.path.isdir(path):
-            raise UsageError(
-                f"script {target.name} is a folder, not a Python file; give the file to run (or a package's "
-                "module with -m)"
-            )
-        if not os.path.isfile(path):
-            raise UsageError(
-                f"script {target.name} not found (looked in {cwd}); give the path of a Python file"
-            )
-        return
-    if target.kind not in (TargetKind.MODULE, TargetKind.ENTRYPOINT):
-        return
-    module_name, func_name = split_ref(target.name)
+
+def check_script(name: str, cwd: str) -> None:
+    """A script is a Python file, found from `cwd`."""
+    path = os.path.join(cwd, name)
+    if os.path.isdir(path):
+        raise UsageError(
+            f"script {name} is a folder, not a Python file; give the file to run (or a package's "
+            "module with -m)"
+        )
+    if not os.path.isfile(path):
+        raise UsageError(f"script {name} not found (looked in {cwd}); give the path of a Python file")
+
+
+def check_importable(ref: str, cwd: str, flag: str) -> None:
+    """A module (`-m`) or the module of a `pkg.module:function` (`--entrypoint`) can be found from
+    `cwd` or the installed packages, and an entrypoint's module defines its function: located and
+    parsed, not imported (importing user code in the driver could import torch or start work there)."""
+    module_name, func_name = split_ref(ref)
     sys.path.insert(0, cwd)
     try:
         found = importlib.util.find_spec(module_name)
@@ -135,17 +121,16 @@ def check_target_locally(target: Target, cwd: str) -> None:
         found = None
     finally:
         sys.path.remove(cwd)
-    flag = "--entrypoint" if target.kind is TargetKind.ENTRYPOINT else "-m"
     if found is None:
         raise UsageError(
-            f"{flag} {target.name}: no module named {module_name} in {cwd} or the installed packages; "
+            f"{flag} {ref}: no module named {module_name} in {cwd} or the installed packages; "
             "check the spelling or install the package"
         )
-    if target.kind is TargetKind.ENTRYPOINT and found.origin and found.origin.endswith(".py"):
+    if func_name and found.origin and found.origin.endswith(".py"):
         names = _top_level_names(found.origin)
         if names is not None and func_name not in names:
             raise UsageError(
-                f"--entrypoint {target.name}: {module_name} ({found.origin}) defines no {func_name}; "
+                f"{flag} {ref}: {module_name} ({found.origin}) defines no {func_name}; "
                 "name a function defined at the top level of that module"
             )
 

@@ -57,7 +57,7 @@ def announce(spec: LaunchSpec) -> None:
         "job %s: %s node(s) x %d rank(s) = %s, target: %s",
         spec.job_name, spec.node_range, spec.gpus_per_node,
         f"{spec.node_range.min * spec.gpus_per_node}-{spec.world_size}" if elastic else spec.world_size,
-        spec.target.describe(),
+        runner_for(spec.target).describe(spec.target),
     )  # fmt: skip
 
 

@@ -21,7 +21,7 @@ from ..core.progress import TrainingFacts
 from ..core.runner import TargetRunner, Verdict
 from ..core.shellenv import shown_names
 from ..core.spec import LaunchSpec
-from ..core.target import Target, check_target_locally
+from ..core.target import Target
 from . import placement, up
 from .attempt import Attempt, LaunchResult
 from .cluster import connect
@@ -58,10 +58,10 @@ def launch(spec: LaunchSpec, *, exits_after: bool = False) -> LaunchResult:
 
 
 def _launch(spec: LaunchSpec, exits_after: bool, early: EarlyInterrupt) -> LaunchResult:
-    check_target_locally(spec.target, spec.cwd)
+    runner = runner_for(spec.target)
+    runner.check_locally(spec.target, spec.cwd)
     profile = load_profile(spec.env_profile) if spec.env_profile else {}
     runs_root(spec.run_dir)  # bad input, said before anything starts
-    runner = runner_for(spec.target)
     verdict = runner.preflight(spec)  # on its way while the driver connects and the ranks start
     try:
         return _run(spec, exits_after, early, runner, verdict, profile)

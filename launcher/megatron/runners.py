@@ -12,7 +12,7 @@ from typing import Any
 from ..core.refs import split_ref
 from ..core.runner import BASE_IMPORTS, TargetRunner, Verdict
 from ..core.spec import LaunchSpec
-from ..core.target import Target, TargetKind, dry_run_trains, parse_dry_run_options
+from ..core.target import Target, TargetKind, check_dry_run_data, dry_run_trains, parse_dry_run_options
 
 log = logging.getLogger("megaray")
 
@@ -22,6 +22,13 @@ class DryRunRunner(TargetRunner):
 
     looks_at_waits = False  # it times its forward steps (megatron/steptimes.py)
     grows_at_checkpoint = True
+
+    def describe(self, target: Target) -> str:
+        what = "dry run (rendezvous check, then a tiny Megatron GPT where megatron-core is installed)"
+        return " ".join([what, *target.args])
+
+    def check_locally(self, target: Target, cwd: str) -> None:
+        check_dry_run_data(target.args, cwd)  # relative to the launch's working folder, as ranks read it
 
     def first_target(self, spec: LaunchSpec, plan: Any) -> Target:
         """With `--nodes MIN:MAX` the tiny trainer keeps one layout and one global batch at every size
@@ -68,6 +75,9 @@ class MegatronRunner(TargetRunner):
 
     looks_at_waits = False  # it times its forward steps (megatron/steptimes.py)
     grows_at_checkpoint = True
+
+    def describe(self, target: Target) -> str:
+        return " ".join([f"Megatron-Bridge pretrain(), recipe {target.name}", *target.args])
 
     def main(self, target: Target, cwd: str) -> Any:
         from .bridge_target import train_recipe
