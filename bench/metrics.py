@@ -51,11 +51,14 @@ def node_recorder(seconds: float, ranks: int = 8, reports_per_s: float = 5.0) ->
     @ray.remote(num_cpus=0)
     class Recorder:
         def run(self, record: bool) -> float:
+            from launcher.core.layout import ParallelDims
             from launcher.core.metrics import MetricsMode, rank_labels
             from launcher.rank.metrics import RankMetrics
 
             where = [("n", "10.0.0.1")] * ranks
-            metrics = RankMetrics(rank_labels("bench", MetricsMode.RANK, where, (2, 1, 1), 989.0)["n"])
+            metrics = RankMetrics(
+                rank_labels("bench", MetricsMode.RANK, where, ParallelDims(tp=2), 989.0)["n"]
+            )
             start_cpu, start = time.process_time(), time.monotonic()
             it, next_keep = 0, start + 1.0
             values = {"loss": 1.0, "tokens": 8192, "lr": 3e-4, "flops": 1e12}

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from launcher.core.errors import RankFailedError, RankFailure
 
 
@@ -200,3 +202,12 @@ def test_the_first_step_is_checked_against_the_placed_gpus_unless_a_size_is_give
     given = spec_from_args(["--recipe", "gpt_small", "--gpu-memory-gb", "40"])
     assert runner.memory_problem(given, plan, 39.4) is None  # the preflight checked the size given
     assert runner.memory_problem(spec, None, 39.4) is None  # no preflight (no bridge in the driver)
+
+
+def test_parallel_dims_say_what_data_parallel_is_left_and_refuse_a_size_below_one():
+    from launcher.core.layout import Layout, ParallelDims
+
+    assert ParallelDims(2, 2).dp(8) == 2 and ParallelDims(4).dp(6) is None
+    assert Layout(tp=2, pp=1, cp=2).dims == ParallelDims(2, 1, 2)
+    with pytest.raises(ValueError, match="TP 0, PP 1 and CP 1 must each be at least 1"):
+        ParallelDims(0)

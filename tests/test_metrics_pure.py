@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from launcher.core import metrics as m
+from launcher.core.layout import ParallelDims
 from launcher.core.metrics import MetricsMode, RankTrack
 from launcher.core.straggler import StepSample, WaitSample
 from launcher.driver.metrics import JobMetrics
@@ -56,17 +57,21 @@ def test_a_node_is_as_slow_as_its_slowest_rank_and_its_tokens_are_its_ranks_sum(
 
 def test_coordinates_follow_megatrons_order_tensor_parallel_fastest_pipeline_slowest():
     # TP 2 x PP 2 on 8 ranks: DP 2; ranks 0-3 are stage 0
-    got = [m.coordinates(r, 8, tp=2, pp=2) for r in range(8)]
+    got = [m.coordinates(r, 8, ParallelDims(tp=2, pp=2)) for r in range(8)]
     assert [(c["tp"], c["dp"], c["pp"]) for c in got] == [
         ("0", "0", "0"), ("1", "0", "0"), ("0", "1", "0"), ("1", "1", "0"),
         ("0", "0", "1"), ("1", "0", "1"), ("0", "1", "1"), ("1", "1", "1"),
     ]  # fmt: skip
-    assert m.coordinates(0, 6, tp=4, pp=1) == {"tp": "", "pp": "", "dp": ""}  # does not divide: unknown
+    assert m.coordinates(0, 6, ParallelDims(tp=4)) == {
+        "tp": "",
+        "pp": "",
+        "dp": "",
+    }  # does not divide: unknown
 
 
 def test_labels_name_each_rank_and_its_node_or_under_metrics_node_the_node_alone():
     where = [("n1", "10.0.0.1"), ("n1", "10.0.0.1"), ("n2", "10.0.0.2"), ("n2", "10.0.0.2")]
-    labels = m.rank_labels("j", MetricsMode.RANK, where, (2, 1, 1), 989.0)
+    labels = m.rank_labels("j", MetricsMode.RANK, where, ParallelDims(tp=2), 989.0)
     assert sorted(labels) == ["n1", "n2"] and sorted(labels["n2"].ranks) == [2, 3]
     assert labels["n2"].tags(3) == {
         m.JOB: "j",

@@ -12,6 +12,26 @@ from typing import Any
 
 
 @dataclass(frozen=True)
+class ParallelDims:
+    """The model-parallel sizes of a world (torchtitan's `ParallelDims`): tensor, pipeline and context
+    parallel; data parallel is what the world leaves (`dp`). A rank's coordinates come from them
+    (core/metrics.py `coordinates`)."""
+
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+
+    def __post_init__(self):
+        if min(self.tp, self.pp, self.cp) < 1:
+            raise ValueError(f"TP {self.tp}, PP {self.pp} and CP {self.cp} must each be at least 1")
+
+    def dp(self, world: int) -> int | None:
+        """The data-parallel size of `world` ranks; None where TP x PP x CP does not divide it."""
+        model = self.tp * self.pp * self.cp
+        return None if world % model else world // model
+
+
+@dataclass(frozen=True)
 class Layout:
     tp: int = 1
     pp: int = 1
@@ -40,6 +60,10 @@ class Layout:
             num_query_groups=getattr(m, "num_query_groups", None),
             num_experts=getattr(m, "num_moe_experts", None),
         )
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(self.tp, self.pp, self.cp)
 
     def describe(self) -> str:
         etp = self.tp if self.etp is None else self.etp

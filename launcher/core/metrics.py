@@ -20,6 +20,7 @@ from enum import StrEnum
 from typing import Any
 
 from .errors import FailureKind
+from .layout import ParallelDims
 from .outcome import LaunchState, RestartKind
 from .progress import tflops_per_gpu
 from .straggler import Sample, StepSample
@@ -144,13 +145,12 @@ JOB_METRICS: dict[str, JobMetric] = {
 }
 
 
-def coordinates(rank: int, world_size: int, tp: int, pp: int, cp: int = 1) -> dict[str, str]:
+def coordinates(rank: int, world_size: int, dims: ParallelDims) -> dict[str, str]:
     """A rank's TP, PP and DP coordinates in Megatron's default order (tp-cp-ep-dp-pp: tensor parallel
     fastest, pipeline stage slowest); empty where the sizes do not divide the world."""
-    model = tp * pp * cp
-    if model < 1 or world_size % model:
+    tp, cp, dp = dims.tp, dims.cp, dims.dp(world_size)
+    if dp is None:
         return {"tp": "", "pp": "", "dp": ""}
-    dp = world_size // model
     return {"tp": str(rank % tp), "dp": str(rank // (tp * cp) % dp), "pp": str(rank // (tp * cp * dp))}
 
 
@@ -250,7 +250,7 @@ class RankLabels:
 
 
 def rank_labels(
-    job: str, mode: MetricsMode, where: list[tuple[str, str]], dims: tuple[int, int, int] | None,
+    job: str, mode: MetricsMode, where: list[tuple[str, str]], dims: ParallelDims | None,
     peak_tflops: float,
 ) -> dict[str, RankLabels]:  # fmt: skip
     """Each node's RankLabels, by node id: `where[r]` is rank r's (node id, node label: its IP);
@@ -258,6 +258,6 @@ def rank_labels(
     world = len(where)
     out: dict[str, dict[int, dict[str, str]]] = {}
     for rank, (node_id, node) in enumerate(where):
-        at = coordinates(rank, world, *dims) if dims else {"tp": "", "pp": "", "dp": ""}
+        at = coordinates(rank, world, dims) if dims else {"tp": "", "pp": "", "dp": ""}
         out.setdefault(node_id, {})[rank] = {"node": node, **at}
     return {node_id: RankLabels(job, mode, world, peak_tflops, ranks) for node_id, ranks in out.items()}

@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from .layout import ParallelDims
 from .spec import LaunchSpec
 from .target import Target
 
@@ -125,7 +126,7 @@ class TargetRunner:
         plain program runs on any count, as under torchrun's elastic launch."""
         return None
 
-    def parallel_dims(self, spec: LaunchSpec, plan: Any) -> tuple[int, int, int] | None:
+    def parallel_dims(self, spec: LaunchSpec, plan: Any) -> ParallelDims | None:
         """The TP, PP and CP sizes of `spec`'s world, for the ranks' coordinates in the metrics
         (core/metrics.py); None where the target does not know them (a plain program)."""
         return None

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..core.elastic import ScalingPolicy
+from ..core.layout import ParallelDims
 from ..core.spec import LaunchSpec
 from ..core.target import Target
 from .cluster import Cluster
@@ -33,7 +34,7 @@ class LaunchContext:
     metrics: JobMetrics
     scaling: ScalingPolicy
     lost_nodes: set[str] = field(default_factory=set)
-    parallel_dims: Callable[[LaunchSpec], tuple[int, int, int] | None] = lambda spec: None
+    parallel_dims: Callable[[LaunchSpec], ParallelDims | None] = lambda spec: None
 
 
 @dataclass(frozen=True)

@@ -4,11 +4,13 @@ the collective timeout that must outlast --hang-timeout, and where a relaunch re
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
+from ..core.layout import ParallelDims
 from ..core.refs import split_ref
 from ..core.runner import BASE_IMPORTS, TargetRunner, Verdict
 from ..core.spec import LaunchSpec
@@ -36,7 +38,7 @@ class DryRunRunner(TargetRunner):
         chooses, no pipeline (any node count then divides), the global batch of the most nodes."""
         if not spec.node_range.elastic:
             return spec.target
-        shape = dict(zip(("tp", "pp", "global_batch"), dry_run_shape(spec), strict=True))
+        shape = dataclasses.asdict(dry_run_shape(spec))
         log.info("the dry run keeps TP %(tp)d x PP %(pp)d and a global batch of %(global_batch)d", shape)
         given = parse_dry_run_options(spec.target.args)
         fixed = [f"{k}={v}" for k, v in shape.items() if k not in given]
@@ -45,16 +47,16 @@ class DryRunRunner(TargetRunner):
     def size_problem(self, spec: LaunchSpec, plan: Any, nodes: int) -> str | None:
         from .tiny_gpt import layout_problem
 
-        tp, pp, global_batch = dry_run_shape(spec)
-        return layout_problem(nodes * spec.gpus_per_node, tp, pp, global_batch)
+        shape = dry_run_shape(spec)
+        return layout_problem(nodes * spec.gpus_per_node, shape.tp, shape.pp, shape.global_batch)
 
-    def parallel_dims(self, spec: LaunchSpec, plan: Any) -> tuple[int, int, int] | None:
+    def parallel_dims(self, spec: LaunchSpec, plan: Any) -> ParallelDims | None:
         """As the tiny trainer resolves them (megatron/tiny_gpt.py)."""
         from .tiny_gpt import resolve_layout
 
         given = parse_dry_run_options(spec.target.args)
         tp, pp = resolve_layout(spec.world_size, spec.gpus_per_node, given.get("tp"), given.get("pp"))
-        return tp, pp, 1
+        return ParallelDims(tp, pp)
 
     def main(self, target: Target, cwd: str) -> Any:
         from .dryrun import check_and_train
@@ -136,8 +138,8 @@ class MegatronRunner(TargetRunner):
 
         return "; ".join(layout_problems(plan.layout, nodes, spec.gpus_per_node)) or None
 
-    def parallel_dims(self, spec: LaunchSpec, plan: Any) -> tuple[int, int, int] | None:
-        return (plan.layout.tp, plan.layout.pp, plan.layout.cp) if plan is not None else None
+    def parallel_dims(self, spec: LaunchSpec, plan: Any) -> ParallelDims | None:
+        return plan.layout.dims if plan is not None else None
 
 
 RUNNERS: dict[TargetKind, TargetRunner] = {
@@ -146,7 +148,16 @@ RUNNERS: dict[TargetKind, TargetRunner] = {
 }
 
 
-def dry_run_shape(spec: LaunchSpec) -> tuple[int, int, int]:
+@dataclass(frozen=True)
+class DryRunShape:
+    """What the tiny trainer keeps at every node count of --nodes MIN:MAX."""
+
+    tp: int
+    pp: int
+    global_batch: int
+
+
+def dry_run_shape(spec: LaunchSpec) -> DryRunShape:
     """The tiny trainer's TP, PP and global batch with --nodes MIN:MAX: as given (`--dry-run tp=..
     pp=.. global_batch=..`), else its own TP, PP 1, and the global batch of the most nodes."""
     from .tiny_gpt import MICRO_BATCH, MICROBATCHES, choose_layout
@@ -155,7 +166,7 @@ def dry_run_shape(spec: LaunchSpec) -> tuple[int, int, int]:
     tp, _, _ = choose_layout(spec.world_size, spec.gpus_per_node)
     tp, pp = given.get("tp", tp), given.get("pp", 1)
     dp = max(spec.world_size // (tp * pp), 1)
-    return tp, pp, given.get("global_batch", MICRO_BATCH * MICROBATCHES * dp)
+    return DryRunShape(tp, pp, given.get("global_batch", MICRO_BATCH * MICROBATCHES * dp))
 
 
 def align_timeouts(spec: LaunchSpec, plan: Any) -> Target:
