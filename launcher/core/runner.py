@@ -23,7 +23,7 @@ from .target import Target
 BASE_IMPORTS = ("torch", "torch.distributed")
 
 
-class Verdict:
+class Verdict[P]:
     """The preflight's answer: a plan the driver's other hooks read (None: nothing was checked), or a
     refusal (UsageError). This one is known at once; a preflight that takes seconds (Megatron-Bridge's
     import and config) answers from a process of its own (megatron/preflight_process.py) while the
@@ -31,7 +31,7 @@ class Verdict:
 
     in_background = False  # still being worked out somewhere else: the ranks may import meanwhile
 
-    def __init__(self, plan: Any = None):
+    def __init__(self, plan: P | None = None):
         self._plan = plan
         self.refusal: BaseException | None = None  # the error `ready()` raised, once it has
 
@@ -39,7 +39,7 @@ class Verdict:
         """Whether the answer is in; raises the refusal the first time it is asked after it came."""
         return True
 
-    def result(self, wait: Callable[[], None] = lambda: None, poll_s: float = 0.05) -> Any:
+    def result(self, wait: Callable[[], None] = lambda: None, poll_s: float = 0.05) -> P | None:
         """The plan, once in; `wait` runs between polls (the driver's stop check, which may raise)."""
         while not self.ready():
             wait()
@@ -54,8 +54,9 @@ class Verdict:
         """No answer is wanted any more (the launch ended first): stop working it out."""
 
 
-class TargetRunner:
-    """The defaults are a plain program's: nothing checked ahead, nothing changed on a relaunch (it
+class TargetRunner[P]:
+    """`P` is the plan its preflight makes (None for a plain program's, which makes none). The defaults
+    are a plain program's: nothing checked ahead, nothing changed on a relaunch (it
     resumes itself, as under torchrun), torch imported ahead by a warm spare."""
 
     relays_output = True  # megaray collects its ranks' output (driver/relay.py), not Ray's log streaming
@@ -90,7 +91,7 @@ class TargetRunner:
 
     def own_files(self) -> tuple[str, ...]:
         """The runner's source files: their frames lead no traceback a user reads."""
-        return tuple({inspect.getfile(c) for c in type(self).__mro__ if c is not object})
+        return tuple({inspect.getfile(c) for c in type(self).__mro__ if issubclass(c, TargetRunner)})
 
     # -- in the driver ------------------------------------------------------------------------------
     def describe(self, target: Target) -> str:
@@ -105,34 +106,34 @@ class TargetRunner:
         """`megaray submit`: what can be told of the target from the folder it uploads (`local_dir`,
         when it is local; `uploads`: whether a working folder is uploaded at all)."""
 
-    def preflight(self, spec: LaunchSpec) -> Verdict:
+    def preflight(self, spec: LaunchSpec) -> Verdict[P]:
         """What can be checked before the program starts: its verdict, now or on its way."""
         return Verdict()
 
-    def first_target(self, spec: LaunchSpec, plan: Any) -> Target:
+    def first_target(self, spec: LaunchSpec, plan: P | None) -> Target:
         """The target of the first attempt (the spec's, or one adjusted to megaray's own settings)."""
         return spec.target
 
-    def memory_problem(self, spec: LaunchSpec, plan: Any, gpu_gib: float) -> str | None:
+    def memory_problem(self, spec: LaunchSpec, plan: P | None, gpu_gib: float) -> str | None:
         """Why the program would not fit the placed GPUs (the smallest has `gpu_gib`), or None."""
         return None
 
-    def resume_target(self, target: Target, plan: Any) -> Target:
+    def resume_target(self, target: Target, plan: P | None) -> Target:
         """The target of a relaunch after a failure."""
         return target
 
-    def size_problem(self, spec: LaunchSpec, plan: Any, nodes: int) -> str | None:
+    def size_problem(self, spec: LaunchSpec, plan: P | None, nodes: int) -> str | None:
         """Why the target cannot run on `nodes` nodes (`--nodes MIN:MAX`, core/elastic.py), or None: a
         plain program runs on any count, as under torchrun's elastic launch."""
         return None
 
-    def parallel_dims(self, spec: LaunchSpec, plan: Any) -> ParallelDims | None:
+    def parallel_dims(self, spec: LaunchSpec, plan: P | None) -> ParallelDims | None:
         """The TP, PP and CP sizes of `spec`'s world, for the ranks' coordinates in the metrics
         (core/metrics.py); None where the target does not know them (a plain program)."""
         return None
 
 
-class RankGroupRunner(TargetRunner):
+class RankGroupRunner(TargetRunner[None]):
     """A rank group's functions are called from the driver's process (driver/group.py), and print
     through Ray's own log streaming: the group has no output sink."""
 

@@ -33,6 +33,7 @@ from typing import Any
 from ..core.errors import MegarayError
 from ..core.runner import Verdict
 from ..core.spec import LaunchSpec
+from .preflight import Plan
 
 log = logging.getLogger("megaray")
 
@@ -61,7 +62,7 @@ def bridge_installed() -> bool:
     return find_spec("megatron") is not None and find_spec("megatron.bridge") is not None
 
 
-class PreflightProcess(Verdict):
+class PreflightProcess(Verdict[Plan]):
     """The verdict of `python -m launcher.megatron.preflight_process`, started by `start()`."""
 
     in_background = True

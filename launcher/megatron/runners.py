@@ -15,11 +15,12 @@ from ..core.refs import split_ref
 from ..core.runner import BASE_IMPORTS, TargetRunner, Verdict
 from ..core.spec import LaunchSpec
 from ..core.target import Target, TargetKind, check_dry_run_data, dry_run_trains, parse_dry_run_options
+from .preflight import Plan
 
 log = logging.getLogger("megaray")
 
 
-class DryRunRunner(TargetRunner):
+class DryRunRunner(TargetRunner[None]):
     """The rendezvous check, then a tiny megatron-core GPT where megatron-core is installed."""
 
     looks_at_waits = False  # it times its forward steps (megatron/steptimes.py)
@@ -32,7 +33,7 @@ class DryRunRunner(TargetRunner):
     def check_locally(self, target: Target, cwd: str) -> None:
         check_dry_run_data(target.args, cwd)  # relative to the launch's working folder, as ranks read it
 
-    def first_target(self, spec: LaunchSpec, plan: Any) -> Target:
+    def first_target(self, spec: LaunchSpec, plan: None) -> Target:
         """With `--nodes MIN:MAX` the tiny trainer keeps one layout and one global batch at every size
         (its checkpoints load at another DP size, not at another TP or PP): TP within a node as it
         chooses, no pipeline (any node count then divides), the global batch of the most nodes."""
@@ -44,13 +45,13 @@ class DryRunRunner(TargetRunner):
         fixed = [f"{k}={v}" for k, v in shape.items() if k not in given]
         return replace(spec.target, args=(*spec.target.args, *fixed))
 
-    def size_problem(self, spec: LaunchSpec, plan: Any, nodes: int) -> str | None:
+    def size_problem(self, spec: LaunchSpec, plan: None, nodes: int) -> str | None:
         from .tiny_gpt import layout_problem
 
         shape = dry_run_shape(spec)
         return layout_problem(nodes * spec.gpus_per_node, shape.tp, shape.pp, shape.global_batch)
 
-    def parallel_dims(self, spec: LaunchSpec, plan: Any) -> ParallelDims | None:
+    def parallel_dims(self, spec: LaunchSpec, plan: None) -> ParallelDims | None:
         """As the tiny trainer resolves them (megatron/tiny_gpt.py)."""
         from .tiny_gpt import resolve_layout
 
@@ -72,7 +73,7 @@ class DryRunRunner(TargetRunner):
         return (*BASE_IMPORTS, *MEGATRON_MODULES, *trainer)
 
 
-class MegatronRunner(TargetRunner):
+class MegatronRunner(TargetRunner[Plan]):
     """Megatron-Bridge `pretrain()`/`finetune()` with a recipe's config and the command line's overrides."""
 
     looks_at_waits = False  # it times its forward steps (megatron/steptimes.py)
@@ -106,17 +107,17 @@ class MegatronRunner(TargetRunner):
 
             prebuild(target.recipe, list(target.args), target.hf_path)
 
-    def preflight(self, spec: LaunchSpec) -> Verdict:
+    def preflight(self, spec: LaunchSpec) -> Verdict[Plan]:
         if spec.target.recipe is None:
             return Verdict()
         from .preflight_process import PreflightProcess
 
         return PreflightProcess.start(spec)
 
-    def first_target(self, spec: LaunchSpec, plan: Any) -> Target:
+    def first_target(self, spec: LaunchSpec, plan: Plan | None) -> Target:
         return align_timeouts(spec, plan)
 
-    def memory_problem(self, spec: LaunchSpec, plan: Any, gpu_gib: float) -> str | None:
+    def memory_problem(self, spec: LaunchSpec, plan: Plan | None, gpu_gib: float) -> str | None:
         """The preflight's estimate against the GPUs placed, unless --gpu-memory-gb was given (the
         preflight checked against that)."""
         if plan is None or spec.gpu_memory_gb is not None:
@@ -126,10 +127,10 @@ class MegatronRunner(TargetRunner):
             log.info("preflight: memory fits the %g GiB of the smallest GPU placed", gpu_gib)
         return problem
 
-    def resume_target(self, target: Target, plan: Any) -> Target:
+    def resume_target(self, target: Target, plan: Plan | None) -> Target:
         return resume_target(target, plan)
 
-    def size_problem(self, spec: LaunchSpec, plan: Any, nodes: int) -> str | None:
+    def size_problem(self, spec: LaunchSpec, plan: Plan | None, nodes: int) -> str | None:
         """TP x PP x CP must divide the world, and the global batch the DP size times the micro batch
         (core/layout.py); unknown without a preflight (no bridge in the driver)."""
         if plan is None:
@@ -138,7 +139,7 @@ class MegatronRunner(TargetRunner):
 
         return "; ".join(layout_problems(plan.layout, nodes, spec.gpus_per_node)) or None
 
-    def parallel_dims(self, spec: LaunchSpec, plan: Any) -> ParallelDims | None:
+    def parallel_dims(self, spec: LaunchSpec, plan: Plan | None) -> ParallelDims | None:
         return plan.layout.dims if plan is not None else None
 
 
@@ -169,7 +170,7 @@ def dry_run_shape(spec: LaunchSpec) -> DryRunShape:
     return DryRunShape(tp, pp, given.get("global_batch", MICRO_BATCH * MICROBATCHES * dp))
 
 
-def align_timeouts(spec: LaunchSpec, plan: Any) -> Target:
+def align_timeouts(spec: LaunchSpec, plan: Plan | None) -> Target:
     """Megatron's collective timeout must outlast --hang-timeout, so a hang is caught here, with
     stacks, and not by NCCL's watchdog: raise `dist.distributed_timeout_minutes` unless set by hand."""
     target = spec.target
@@ -189,7 +190,7 @@ def align_timeouts(spec: LaunchSpec, plan: Any) -> Target:
     return replace(target, args=(*target.args, f"dist.distributed_timeout_minutes={wanted}"))
 
 
-def resume_target(target: Target, plan: Any) -> Target:
+def resume_target(target: Target, plan: Plan | None) -> Target:
     """The target of a relaunch: a Megatron recipe that saves checkpoints loads the latest of them
     (bridge resumes the iteration count from `checkpoint.load`); other programs resume themselves,
     as under torchrun (TORCHELASTIC_RESTART_COUNT tells them it is a restart).

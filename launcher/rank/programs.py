@@ -24,7 +24,7 @@ class TargetNotFound(Exception):
     pass
 
 
-class ScriptRunner(TargetRunner):
+class ScriptRunner(TargetRunner[None]):
     def check_locally(self, target: Target, cwd: str) -> None:
         check_script(target.name, cwd)
 
@@ -52,7 +52,7 @@ class ScriptRunner(TargetRunner):
         runpy.run_path(path, run_name="__main__")
 
 
-class _Importable(TargetRunner):
+class _Importable(TargetRunner[None]):
     """A module or an entrypoint: found from the working folder or the installed packages."""
 
     flag = ""
