@@ -758,9 +758,9 @@ class SimRank:
 def install() -> None:
     """Put the stand-in under megaray's driver (its modules hold `ray` and a few names of it)."""
     import launcher.driver.actors as actors
-    import launcher.driver.endings as endings
     import launcher.driver.gang as gang
     import launcher.driver.placement as placement
+    import launcher.driver.rank_ends as rank_ends
     import launcher.driver.rayprivate as rayprivate
     import launcher.driver.spares as spares
 
@@ -781,7 +781,7 @@ def install() -> None:
     actors._rank_actor_class = lambda: ActorClass(SimRank, {})
     # the raylets' addresses as megaray probes them: the simulated nodes' IPs are not this machine's
     gang.raylet_addresses = _raylet_addresses
-    endings.node_lost = _node_lost
+    rank_ends.node_lost = _node_lost
 
 
 def _raylet_addresses(node_ids: set[str]) -> dict[str, tuple[str, int]]:

@@ -41,7 +41,7 @@ def test_a_hang_with_a_stopped_rank_waits_no_kill_grace_for_it():
 
 def test_a_node_lost_while_its_ranks_start_fails_those_ranks_as_died_naming_the_node():
     from launcher.core.topology import RankSlot
-    from launcher.driver.endings import lost_while_starting, silent
+    from launcher.driver.rank_ends import lost_while_starting, silent
 
     slots = [RankSlot(r, r % 2, r // 2, r // 2, r % 2, f"10.0.0.{r // 2}", f"node{r // 2}", f"h{r // 2}")
              for r in range(4)]  # fmt: skip

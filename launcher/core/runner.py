@@ -1,6 +1,6 @@
 """What each kind of target does, on a rank and in the driver, as one object per kind (torchtitan's
 `TrainSpec` does the same for its models). The registry that maps a kind to its runner is the
-driver's (driver/targets.py): plain programs register theirs from rank/programs.py, the Megatron
+driver's (driver/registry.py): plain programs register theirs from rank/programs.py, the Megatron
 targets from megatron/runners.py, so that neither rank/ nor the driver knows Megatron's rules.
 
 A runner is sent to each rank with its target, so it must pickle by reference: a module-level class

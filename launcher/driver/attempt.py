@@ -23,17 +23,17 @@ from ..core.poll import AllReturned, PollStatus, RanksFailed
 from ..core.spec import LaunchSpec
 from ..core.target import Target
 from .context import AttemptTarget, LaunchContext
-from .endings import failed_before
 from .gang import RankGang
 from .grow import GrowWatch
 from .handle import RankInfo
+from .rank_ends import failed_before
 from .rank_view import env_records
+from .registry import runner_for
 from .relay import OutputRelay, open_sink
 from .sources import PlaceRequest
 from .spares import SparePool
 from .stragglers import StragglerWatch
 from .supervise import Supervision
-from .targets import runner_for
 
 log = logging.getLogger("megaray")
 
@@ -167,7 +167,7 @@ class Attempt:
         returned, a failure or a hang, or time to grow."""
         if self.supervision is None:
             self.supervision = Supervision(
-                self.gang.watch,
+                self.gang.ends,
                 self.refs,
                 relay=self.relay,
                 hang_timeout_s=self.spec.hang_timeout_s,
@@ -202,7 +202,7 @@ class Attempt:
         """Every turn of the supervision: a stop signal (raises Interrupted), the nodes still answer,
         the next attempt's spares tended, and below MAX nodes, whether to grow."""
         self.stop.check()
-        if (failure := self.gang.watch.check_nodes()) is not None:
+        if (failure := self.gang.ends.check_nodes()) is not None:
             return RanksFailed(failure)
         self._imported()
         self.ctx.metrics.progress(self.ctx.progress.stats)
@@ -257,7 +257,7 @@ class Attempt:
         self.gang.teardown(keep_groups=self.handed_over)
         self.ctx.lost_nodes |= self.gang.lost_nodes
         if not self.succeeded and self.relay is not None and self.relay.sink is not None:
-            self.gang.watch.last_words(self.failure)  # what the ranks printed last
+            self.gang.ends.last_words(self.failure)  # what the ranks printed last
         if self.spares_in is not None:  # given, but stopped before adopting them
             self.spares_in.discard(groups=True)
         if self.spares_out is not None and not self.handed_over:

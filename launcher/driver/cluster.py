@@ -24,7 +24,7 @@ from .auth import AUTH_HINT, token_mode
 from .held_stderr import HeldStderr
 from .nodeenv import node_environment
 from .reach import check_reachable
-from .targets import runner_for
+from .registry import runner_for
 
 log = logging.getLogger("megaray")
 # Attaching takes about a second once the GCS has answered (driver/reach.py); past this, it hangs.

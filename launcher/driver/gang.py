@@ -34,17 +34,17 @@ from ..core.topology import (
 from . import placement, ports
 from .actors import first_line, kill_actors, start_rank_actor, wait_all
 from .cluster import check_versions
-from .endings import RankWatch, fail_if_lost, node_lost, silent
 from .exits import exit_gracefully
 from .handle import RankHandle, RankInfo
 from .links import check_rendezvous
 from .liveness import NodeProbes, raylet_addresses
+from .rank_ends import RankEnds, fail_if_lost, node_lost, silent
 from .rank_view import log_env, log_topology
+from .registry import runner_for
 from .shipping import spool_path
 from .sources import Placed, PlaceRequest, rank_sources
 from .spares import SparePool
 from .stop import StopSignal
-from .targets import runner_for
 
 log = logging.getLogger("megaray")
 
@@ -93,7 +93,7 @@ class RankGang:
         self.actors: list = []
         self.reports: list[RankReport] = []
         self.handles: tuple[RankHandle, ...] = ()
-        self.watch = RankWatch((), None)  # how the ranks end (driver/endings.py), once started
+        self.ends = RankEnds((), None)  # how the ranks end (driver/rank_ends.py), once started
         self.master: tuple[str, int] = ("", 0)
         self.port_reserved: tuple[str, int] | None = None
         self.t0 = time.monotonic()
@@ -149,7 +149,7 @@ class RankGang:
         whole environment each rank's process then has, by rank."""
         # a launch probes its nodes from here on; a rank group's calls are short: Ray's checks suffice
         probes = NodeProbes(raylet_addresses({s.node_id for s in self.slots})) if sink is not None else None
-        self.watch = RankWatch((), None, probes)  # a node lost while the ranks start is lost to the launch
+        self.ends = RankEnds((), None, probes)  # a node lost while the ranks start is lost to the launch
         if not self.adopted:
             self.actors, self.reports = self._start_actors(probes)
         self.mark("actors_ready")
@@ -165,7 +165,7 @@ class RankGang:
                 self.slots, self.actors, self.reports, decisions, replaced, strict=True
             )
         )
-        self.watch = RankWatch(self.handles, sink, probes, dict(outputs or {}) if sink is not None else None)
+        self.ends = RankEnds(self.handles, sink, probes, dict(outputs or {}) if sink is not None else None)
         envs = set_up(self.handles, outputs if sink is not None else None, self.adopted)
         self.mark("env_set")
         self.master = master
@@ -181,7 +181,7 @@ class RankGang:
         def nodes_answer() -> None:
             lost = probes.tick() if probes is not None else {}
             how = {n: silent(*seen, " while its ranks started") for n, seen in lost.items()}
-            fail_if_lost(self.watch, self.slots, how)
+            fail_if_lost(self.ends, self.slots, how)
 
         spec = self.spec
         actors = [
@@ -206,7 +206,7 @@ class RankGang:
         except ray.exceptions.RayActorError as e:
             # not a node that cannot run megaray: one that went away meanwhile
             gone = [n for n in {s.node_id for s in self.slots} if node_lost(n)]
-            fail_if_lost(self.watch, self.slots, dict.fromkeys(gone, "Ray lost it while its ranks started"))
+            fail_if_lost(self.ends, self.slots, dict.fromkeys(gone, "Ray lost it while its ranks started"))
             raise ClusterError(
                 f"a rank actor failed to start: {first_line(e)}; is megaray installed on every node "
                 "with the driver's Python?"
@@ -222,14 +222,14 @@ class RankGang:
 
     @property
     def lost_nodes(self) -> set[str]:
-        return {node for node, gone in self.watch.lost.items() if gone}
+        return {node for node, gone in self.ends.lost.items() if gone}
 
     def exit_gracefully(self, grace_s: float) -> None:
         """After every rank returned: each process ends as a Python process does, watched on its
-        node; one still running after `grace_s` is killed and named (endings.py)."""
+        node; one still running after `grace_s` is killed and named (rank_ends.py)."""
         for a in self.actors:
             a.leave.remote()  # rank/actor.py: output to its spool from here, then exit
-        crashed = exit_gracefully(self.handles, self.watch.sink, self.watch.lingering, grace_s, self.stop)
+        crashed = exit_gracefully(self.handles, self.ends.sink, self.ends.lingering, grace_s, self.stop)
         self.mark("exited")
         if crashed:
             raise RankFailedError(crashed, self.world_size)
@@ -251,7 +251,7 @@ class RankGang:
     def teardown(self, *, keep_groups: bool = False) -> None:
         """Kill every rank; remove the groups unless they are kept (handed over with warm spares) or
         belong to the host gang; release the port."""
-        self.watch.close()
+        self.ends.close()
         kill_actors(self.actors)
         if self.placed is not None and self.placed.owns_groups and not keep_groups:
             placement.remove_groups(self.groups)

@@ -142,7 +142,7 @@ class RankGroup:
 
     def _supervise(self, refs: list) -> tuple:
         try:
-            return supervise(self._gang.watch, refs, self._stop)
+            return supervise(self._gang.ends, refs, self._stop)
         except RankFailedError as e:
             e.ending = (
                 "The rank group is still up, its other ranks untouched: call shutdown() if a rank died."

@@ -12,8 +12,8 @@ from collections.abc import Callable
 from ..core.elastic import GrowTo, ScalingPolicy
 from ..core.spec import LaunchSpec
 from . import rayprivate
-from .endings import node_lost
 from .placement import bundle_for, nodes_that_fit
+from .rank_ends import node_lost
 
 log = logging.getLogger("megaray")
 

@@ -1,5 +1,5 @@
 """What the driver knows about one rank of a launch, shared by the gang that runs the ranks
-(driver/gang.py) and what tells how they ended (driver/endings.py)."""
+(driver/gang.py) and what tells how they ended (driver/rank_ends.py)."""
 
 from __future__ import annotations
 

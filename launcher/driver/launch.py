@@ -29,10 +29,10 @@ from .context import AttemptTarget, LaunchContext
 from .controller import Controller
 from .metrics import JobMetrics
 from .progress_view import ProgressView
+from .registry import runner_for
 from .rundir import RunDir, runs_root
 from .spares import SparePool
 from .stop import EarlyInterrupt, StopSignal
-from .targets import runner_for
 
 log = logging.getLogger("megaray")
 

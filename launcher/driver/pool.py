@@ -34,8 +34,8 @@ from ..core.target import DRY_RUN_TARGET, Target, TargetKind
 from ..core.topology import RankReport, RankSlot, assign_ranks, order_nodes
 from . import placement, rayprivate
 from .actors import first_line, start_rank_actor, wait_all
+from .registry import runner_for
 from .stop import StopSignal
-from .targets import runner_for
 
 log = logging.getLogger("megaray")
 

@@ -28,8 +28,8 @@ from ..core.topology import NodeSlot, RankReport, assign_ranks, order_nodes, ren
 from . import placement
 from .actors import first_line, kill_actors, start_rank_actor, wait_all
 from .handle import RankHandle
+from .registry import runner_for
 from .stop import StopSignal
-from .targets import runner_for
 
 log = logging.getLogger("megaray")
 

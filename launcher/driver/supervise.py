@@ -6,7 +6,7 @@ rank group's calls. Written against two small interfaces, so that the rules (whi
 root cause, when silence counts as a hang, how a stop signal is seen) are tested with a fake gang
 and a fake clock:
 
-- the ranks (driver/endings.py `RankWatch`): `world_size`, `wait(refs, num_returns, timeout_s) ->
+- the ranks (driver/rank_ends.py `RankEnds`): `world_size`, `wait(refs, num_returns, timeout_s) ->
   (done, pending)`, `outcome(ref, rank) -> (ok, value or RankFailure)`, `inspect_hang(idle_s) ->
   [RankFailure]`;
 - the relay (rank output), optional: `pump(wait_s)`, `writes_seen`, `last_activity`.

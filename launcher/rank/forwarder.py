@@ -146,7 +146,7 @@ class NodeForwarder:
     @ray.method(concurrency_group=CONTROL)
     async def watch_ends(self, pids: list[int]) -> list[ProcessEnd]:
         """Returns once any of these processes (the node's ranks) is ending: the moment it starts to
-        exit, seconds before Ray reports it dead where it held GPU memory (driver/endings.py). One
+        exit, seconds before Ray reports it dead where it held GPU memory (driver/rank_ends.py). One
         already gone at the first look is left to Ray's report: its pid may be another's by now."""
         from .probes import ending
 

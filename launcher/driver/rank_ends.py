@@ -1,6 +1,7 @@
-"""How ranks end, watched where they run: a returned rank's process finishing its exit, a dead rank's
-last output, a hung rank's state and stack. Each uses one task per node, pinned there, that reads
-the processes by pid or their output spools (rank/spool.py)."""
+"""How ranks end, as the driver learns it: what a rank's program returned or raised, a process
+ending or a node lost (told by the nodes' forwarders and megaray's probes), a dead rank's last
+output, a hung rank's state and stack, each read by a task on its node (rank/spool.py,
+rank/probes.py). Ranks whose program returned exit in exits.py."""
 
 from __future__ import annotations
 
@@ -74,10 +75,10 @@ def lost_while_starting(slots: list[RankSlot], lost: dict[str, str]) -> RankFail
     return RankFailedError(failures, len(slots))
 
 
-def fail_if_lost(watch: RankWatch, slots: list[RankSlot], lost: dict[str, str]) -> None:
+def fail_if_lost(ends: RankEnds, slots: list[RankSlot], lost: dict[str, str]) -> None:
     """Raise the failure of the ranks of `lost` nodes (node id -> how), known lost to the launch."""
     if lost:
-        watch.lost.update(dict.fromkeys(lost, True))
+        ends.lost.update(dict.fromkeys(lost, True))
         raise lost_while_starting(slots, lost)
 
 
@@ -106,7 +107,7 @@ def _status(exit_code: int | None) -> int | None:
     return -exit_code if exit_code < 0 else exit_code << 8
 
 
-class RankWatch:
+class RankEnds:
     """How the running ranks of a gang end, and what the driver learns of them as they do: which
     nodes are lost, whose last output is being shipped, what a returned rank's process still runs.
     It is what a Supervision looks at (driver/supervise.py: the calls that ended, their outcomes, a
