@@ -53,8 +53,8 @@ __all__ = [
 
 _LAZY = {
     "launch": "driver.launch",
-    "LaunchResult": "driver.attempt",
-    "RankInfo": "driver.handle",
+    "LaunchResult": "core.outcome",
+    "RankInfo": "core.topology",
     "RankGang": "driver.gang",
     "RankGroup": "driver.group",
 }

@@ -10,6 +10,7 @@ from enum import StrEnum
 from typing import Any
 
 from .errors import FailureKind, Interrupted, MegarayError, RankFailedError
+from .topology import RankInfo
 
 
 @dataclass(frozen=True)
@@ -121,3 +122,16 @@ class LaunchObserver:
 
     def on_restart(self, restart: Restart) -> None:
         """A relaunch was decided (a failure's or a grow's)."""
+
+
+@dataclass(frozen=True)
+class LaunchResult:
+    """What `launch()` returns once every rank finished: where they ran and what each returned."""
+
+    job_name: str
+    world_size: int
+    master_addr: str
+    master_port: int
+    ranks: tuple[RankInfo, ...]
+    returns: tuple[Any, ...]  # what each rank's target returned, by rank
+    timings: dict[str, float] = field(default_factory=dict)

@@ -221,3 +221,16 @@ def local_ranks_problem(world_size: int, cpus: int) -> str | None:
         f"at most {limit} ({LOCAL_RANKS_PER_CPU} per CPU): lower --nodes / --gpus-per-node, or attach to a "
         "cluster with --address"
     )
+
+
+@dataclass(frozen=True)
+class RankInfo:
+    """Where a rank ran, as `LaunchResult.ranks` and `topology.json` show it."""
+
+    rank: int
+    local_rank: int
+    node_rank: int
+    node_ip: str
+    hostname: str
+    gpu: str
+    pid: int

@@ -11,7 +11,6 @@ import contextlib
 import dataclasses
 import logging
 import time
-from dataclasses import dataclass, field
 from typing import Any
 
 import ray
@@ -19,13 +18,13 @@ import ray
 from ..core.elastic import GrowTo
 from ..core.errors import RankFailedError
 from ..core.metrics import MetricsMode, rank_labels
+from ..core.outcome import LaunchResult
 from ..core.poll import AllReturned, PollStatus, RanksFailed
 from ..core.spec import LaunchSpec
 from ..core.target import Target
 from .context import AttemptTarget, LaunchContext
 from .gang import RankGang
 from .grow import GrowWatch
-from .handle import RankInfo
 from .rank_ends import failed_before
 from .rank_view import env_records
 from .registry import runner_for
@@ -38,17 +37,6 @@ from .supervise import Supervision
 log = logging.getLogger("megaray")
 
 SPARES_AFTER_S = 30.0  # spares start at the first progress report, or this long after the ranks
-
-
-@dataclass(frozen=True)
-class LaunchResult:
-    job_name: str
-    world_size: int
-    master_addr: str
-    master_port: int
-    ranks: tuple[RankInfo, ...]
-    returns: tuple[Any, ...]  # what each rank's target returned, by rank
-    timings: dict[str, float] = field(default_factory=dict)
 
 
 def import_ahead(actors: list, target: Target) -> list:

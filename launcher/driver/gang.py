@@ -28,6 +28,7 @@ from ..core.rankenv import EnvDecision, decide_envs, startup_env
 from ..core.spec import LaunchSpec
 from ..core.target import Target
 from ..core.topology import (
+    RankInfo,
     RankReport,
     RankSlot,
 )
@@ -35,7 +36,7 @@ from . import placement, ports
 from .actors import first_line, kill_actors, start_rank_actor, wait_all
 from .cluster import check_versions
 from .exits import exit_gracefully
-from .handle import RankHandle, RankInfo
+from .handle import RankHandle
 from .links import check_rendezvous
 from .liveness import NodeProbes, raylet_addresses
 from .rank_ends import RankEnds, fail_if_lost, node_lost, silent

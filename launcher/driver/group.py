@@ -19,9 +19,9 @@ from ..core.rankenv import check_user_env
 from ..core.shellenv import forwarded_env
 from ..core.spec import DEFAULT_PLACEMENT_TIMEOUT_S, LaunchSpec, default_job_name
 from ..core.target import GROUP_TARGET
+from ..core.topology import RankInfo
 from .cluster import connect
 from .gang import RankGang
-from .handle import RankInfo
 from .sources import PlaceRequest
 from .stop import StopSignal
 from .supervise import supervise

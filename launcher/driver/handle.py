@@ -7,20 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..core.rankenv import EnvDecision
-from ..core.topology import RankReport, RankSlot
-
-
-@dataclass(frozen=True)
-class RankInfo:
-    """Where a rank ran, as `LaunchResult.ranks` and `topology.json` show it."""
-
-    rank: int
-    local_rank: int
-    node_rank: int
-    node_ip: str
-    hostname: str
-    gpu: str
-    pid: int
+from ..core.topology import RankInfo, RankReport, RankSlot
 
 
 @dataclass(frozen=True)

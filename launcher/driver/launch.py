@@ -14,7 +14,7 @@ from typing import Any
 
 from ..core.elastic import GrowPolicy, ScalingPolicy
 from ..core.errors import Interrupted, MegarayError, RankFailedError, UsageError
-from ..core.outcome import run_outcome
+from ..core.outcome import LaunchResult, run_outcome
 from ..core.policy import FailurePolicy
 from ..core.profiles import load_profile
 from ..core.progress import TrainingFacts
@@ -23,7 +23,7 @@ from ..core.shellenv import shown_names
 from ..core.spec import LaunchSpec
 from ..core.target import Target
 from . import placement, up
-from .attempt import Attempt, LaunchResult
+from .attempt import Attempt
 from .cluster import connect
 from .context import AttemptTarget, LaunchContext
 from .controller import Controller

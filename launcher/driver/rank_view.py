@@ -12,8 +12,8 @@ from typing import Any
 from ..core.rankenv import redact
 from ..core.shellenv import startup_not_forwarded
 from ..core.spec import LaunchSpec
-from ..core.topology import format_rank_ranges, format_table
-from .handle import RankHandle, RankInfo
+from ..core.topology import RankInfo, format_rank_ranges, format_table
+from .handle import RankHandle
 
 log = logging.getLogger("megaray")
 
