@@ -84,8 +84,8 @@ def node_recorder(seconds: float, ranks: int = 8, reports_per_s: float = 5.0) ->
 def job_recorder(seconds: float, ranks: int) -> tuple[float, float]:
     """CPU seconds per second of this process with the job's metrics of `ranks` ranks recorded and
     kept, and without."""
+    from launcher.core.lifecycle import LaunchState
     from launcher.core.metrics import MetricsMode, rank_labels
-    from launcher.core.outcome import LaunchState
     from launcher.driver.metrics import JobMetrics
 
     def run(mode: MetricsMode) -> float:

@@ -13,7 +13,8 @@ import pytest
 
 from launcher.core.elastic import GrowTo
 from launcher.core.errors import FailureKind, Interrupted, RankFailedError, RankFailure, ResourceError
-from launcher.core.outcome import LaunchState, run_outcome
+from launcher.core.lifecycle import LaunchState
+from launcher.core.outcome import run_outcome
 from launcher.core.policy import FailureDecision, FailurePolicy
 from launcher.core.poll import AllReturned, RanksFailed, StillRunning
 from launcher.driver.controller import RELAUNCHED, REMOVED, Controller, LaunchObserver, RestartKind

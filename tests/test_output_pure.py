@@ -121,7 +121,7 @@ def test_progress_from_report_calls_derives_the_rate():
 
 
 def test_a_relaunch_times_its_own_iterations_and_says_which_restart_it_is():
-    from launcher.core.outcome import LaunchState
+    from launcher.core.lifecycle import LaunchState
 
     view = ProgressView(TrainingFacts(), world_size=2, peak_tflops=989.0, tty=False)
     view.update({"iteration": 1, "total": 11, "time": 100.0})

@@ -156,7 +156,7 @@ def test_the_architecture_page_draws_every_state_and_the_folders_as_they_stack()
     other), and its layer table each folder with what it imports."""
     import re
 
-    from launcher.core.outcome import LaunchState
+    from launcher.core.lifecycle import LaunchState
 
     page = (REPO / "docs" / "architecture.md").read_text()
     diagram = page.split("```mermaid")[1].split("```")[0]

@@ -21,7 +21,7 @@ from typing import Any
 
 from .errors import FailureKind
 from .layout import ParallelDims
-from .outcome import LaunchState, RestartKind
+from .lifecycle import LaunchState, RestartKind
 from .progress import tflops_per_gpu
 from .straggler import Sample, StepSample
 

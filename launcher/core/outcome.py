@@ -1,15 +1,15 @@
-"""What a rank's run returns to the driver, where a launch stands, and how it ended: typed, never
-dicts whose keys and string values each file must agree on (torch elastic's `RunResult`,
-`ProcessFailure` and `WorkerState` do the same)."""
+"""What a rank's run returns to the driver, how a launch ended and what it returns: typed, never
+dicts whose keys and string values each file must agree on (torch elastic's `RunResult` and
+`ProcessFailure` do the same). Where a launch stands meanwhile is core/lifecycle.py's."""
 
 from __future__ import annotations
 
 import signal
-from dataclasses import asdict, dataclass, field
-from enum import StrEnum
+from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import FailureKind, Interrupted, MegarayError, RankFailedError
+from .lifecycle import LaunchState
 from .topology import RankInfo
 
 
@@ -28,30 +28,6 @@ class RankOutcome:
     at: float = 0.0  # when it failed (wall clock), to pick the root cause across ranks
     error_file: str = ""  # where the program recorded its error (torch elastic's @record), if it did
     lingering: tuple[str, ...] = ()  # what would still run if the process exited now (ok only)
-
-
-class LaunchState(StrEnum):
-    """Where a launch stands: one value, stepped through by the driver's controller
-    (driver/controller.py). An attempt goes placing -> starting -> running -> finishing; a failure
-    while restarts are left goes through restarting back to placing. The last four end a launch; their
-    values are summary.json's `status`."""
-
-    PLACING = "placing"  # a placement group per node, or warm spares / the warm pool taken over
-    STARTING = "starting"  # an actor per rank, the rendezvous port, every rank's env
-    RUNNING = "running"  # the program runs on every rank, watched for failures and hangs
-    FINISHING = "finishing"  # every rank returned; their processes exit as Python's do
-    RESTARTING = "restarting"  # a rank failed and the failure policy relaunches the group
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"  # a rank failed and no restart is left
-    INTERRUPTED = "interrupted"  # Ctrl-C or SIGTERM
-    ERROR = "error"  # bad input, resources, the cluster, or megaray itself
-
-    @property
-    def ended(self) -> bool:
-        return self in _ENDED
-
-
-_ENDED = frozenset({LaunchState.SUCCEEDED, LaunchState.FAILED, LaunchState.INTERRUPTED, LaunchState.ERROR})
 
 
 @dataclass(frozen=True)
@@ -90,38 +66,6 @@ def run_outcome(error: BaseException | None) -> RunOutcome:
             return RunOutcome(LaunchState.ERROR, error.exit_code, str(error))
         case _:
             return RunOutcome(LaunchState.ERROR, 1, f"{type(error).__name__}: {error}")
-
-
-class RestartKind(StrEnum):
-    FAILURE = "failure"  # a rank failed: counted against --max-restarts
-    GROW = "grow"  # --nodes MIN:MAX, below MAX: relaunched on more nodes (not counted)
-
-
-@dataclass
-class Restart:
-    """A relaunch, as summary.json's `restarts` lists it."""
-
-    attempt: int
-    cause: str
-    at: float
-    warm_spares: bool | None = None  # whether the relaunch took over the failed attempt's spares
-    kind: RestartKind = RestartKind.FAILURE
-
-    def record(self) -> dict[str, Any]:
-        return asdict(self)
-
-
-class LaunchObserver:
-    """Told what the controller does (the progress view, the job's metrics); the defaults ignore it."""
-
-    def on_state(self, state: LaunchState) -> None:
-        pass
-
-    def on_failure(self, failure: RankFailedError) -> None:
-        """An attempt failed (whatever the policy decides)."""
-
-    def on_restart(self, restart: Restart) -> None:
-        """A relaunch was decided (a failure's or a grow's)."""
 
 
 @dataclass(frozen=True)

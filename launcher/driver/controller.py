@@ -22,7 +22,8 @@ from typing import Any, ClassVar, Protocol
 
 from ..core.elastic import GrowTo
 from ..core.errors import RankFailedError
-from ..core.outcome import LaunchObserver, LaunchState, Restart, RestartKind, run_outcome
+from ..core.lifecycle import LaunchObserver, LaunchState, Restart, RestartKind
+from ..core.outcome import run_outcome
 from ..core.policy import FailureDecision, FailurePolicy
 from ..core.poll import AllReturned, PollStatus, RanksFailed, StillRunning
 from .sources import RELAUNCH_SETTLE_S

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from ..core.errors import RankFailedError
+from ..core.lifecycle import LaunchObserver, LaunchState, Restart
 from ..core.metrics import (
     JOB,
     JOB_FAILURES,
@@ -39,7 +40,6 @@ from ..core.metrics import (
     RankLabels,
     node_values,
 )
-from ..core.outcome import LaunchObserver, LaunchState, Restart
 from ..rank.metrics import Kept, ray_metrics
 
 # the progress view's figures (driver/progress_view.py `stats`) and the metric each goes to

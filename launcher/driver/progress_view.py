@@ -14,8 +14,8 @@ import sys
 import time
 from typing import Any
 
+from ..core.lifecycle import LaunchObserver, LaunchState
 from ..core.outbatch import STDERR
-from ..core.outcome import LaunchObserver, LaunchState
 from ..core.progress import TrainingFacts, tflops_per_gpu
 
 log = logging.getLogger("megaray")
