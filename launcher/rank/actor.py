@@ -30,17 +30,16 @@ from ..core.rankenv import NODE_DEFAULTS
 from ..core.runner import TargetRunner
 from ..core.straggler import stragglers_off
 from ..core.target import Target
-from ..core.topology import RankReport, candidate_ports
+from ..core.topology import RankReport
 from ..core.versions import python_version
 from .capture import flush_streams
 from .nvml import smallest_memory_gib
 from .plain_process import as_a_plain_process, match_thread_pools
 from .probes import (
     REPLACED_EXIT_TIMEOUT_S,
-    ephemeral_range,
+    free_ports,
     inherited_env,
     interface_of,
-    port_is_free,
 )
 from .spool import exit_mark, log_dir, mark_exit, mark_os_exit_zero, oom_kills
 
@@ -63,6 +62,26 @@ def mark_exits(spool: str) -> None:
     after them), and on the program's os._exit(0), a success too (rank/spool.py)."""
     atexit.register(mark_exit, exit_mark(spool))
     mark_os_exit_zero(exit_mark(spool))
+
+
+def report_of(rank: int, node_ip: str, node_id: str, gpu_ids: tuple[str, ...]) -> RankReport:
+    """This process's RankReport: its node, Ray and Python versions, env, interface, log folder,
+    OOM kills so far, and its GPUs' memory."""
+    return RankReport(
+        rank=rank,
+        node_ip=node_ip,
+        node_id=node_id,
+        hostname=socket.gethostname(),
+        pid=os.getpid(),
+        gpu_ids=gpu_ids,
+        ray_version=ray.__version__,
+        python_version=python_version(),
+        inherited_env=inherited_env(),
+        iface=interface_of(node_ip),
+        log_dir=log_dir(),
+        oom_kills=oom_kills(),
+        gpu_memory_gib=smallest_memory_gib() if gpu_ids else None,
+    )
 
 
 class RankActor:
@@ -97,33 +116,11 @@ class RankActor:
 
     def info(self) -> RankReport:
         """Where this rank landed and what it runs on, for the topology and the version check."""
-        return RankReport(
-            rank=self.rank,
-            node_ip=self.node_ip,
-            node_id=self.node_id,
-            hostname=socket.gethostname(),
-            pid=os.getpid(),
-            gpu_ids=tuple(self.gpu_ids),
-            ray_version=ray.__version__,
-            python_version=python_version(),
-            inherited_env=inherited_env(),
-            iface=interface_of(self.node_ip),
-            log_dir=log_dir(),
-            oom_kills=oom_kills(),
-            gpu_memory_gib=smallest_memory_gib() if self.gpu_ids else None,
-        )
+        return report_of(self.rank, self.node_ip, self.node_id, tuple(self.gpu_ids))
 
     def free_ports(self, seed: str, count: int, exact: int | None = None) -> list[int]:
         """Ports free on this node (the master node: this is rank 0), probed here, not on the driver."""
-        if exact is not None:
-            return [exact] if port_is_free(exact) else []
-        found: list[int] = []
-        for port in candidate_ports(seed, exclude=ephemeral_range()):
-            if port_is_free(port):
-                found.append(port)
-                if len(found) == count:
-                    break
-        return found
+        return free_ports(seed, count, exact)
 
     def claim(self, job: str) -> bool:
         """A launch takes this warm pool process; only the first asking gets it."""

@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.deaths import ProcessEnd, process_end
+from ..core.topology import candidate_ports
 
 
 def _py_spy() -> str | None:
@@ -152,6 +153,20 @@ def ephemeral_range() -> tuple[int, int] | None:
         return int(lo), int(hi)
     except (OSError, ValueError):
         return None
+
+
+def free_ports(seed: str, count: int, exact: int | None = None) -> list[int]:
+    """Up to `count` ports free on this node, in the job's order (`seed`: core/topology.py
+    `candidate_ports`, outside the ephemeral range), or `exact` alone if it is free."""
+    if exact is not None:
+        return [exact] if port_is_free(exact) else []
+    found: list[int] = []
+    for port in candidate_ports(seed, exclude=ephemeral_range()):
+        if port_is_free(port):
+            found.append(port)
+            if len(found) == count:
+                break
+    return found
 
 
 def wait_exited(pids: list[int], grace_s: float) -> tuple[list[float | None], list[int | None]]:
