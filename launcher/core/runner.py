@@ -95,8 +95,12 @@ class TargetRunner[P]:
 
     # -- in the driver ------------------------------------------------------------------------------
     def describe(self, target: Target) -> str:
-        """The target in one line, for the console and `megaray status`."""
-        return " ".join([target.name, *target.args])
+        """The target in one line, for the console and `megaray status`: what it is, then its args."""
+        return " ".join([self.shown_as(target), *target.args])
+
+    def shown_as(self, target: Target) -> str:
+        """What the target is, in `describe`: a plain program's name."""
+        return target.name
 
     def check_locally(self, target: Target, cwd: str) -> None:
         """Bad input the driver can find before anything is placed (UsageError): `cwd` is the
@@ -139,5 +143,5 @@ class RankGroupRunner(TargetRunner[None]):
 
     relays_output = False
 
-    def describe(self, target: Target) -> str:
+    def shown_as(self, target: Target) -> str:
         return "rank group (functions called from this process)"

@@ -33,8 +33,9 @@ class PlaceRequest:
     """What a gang asks of the sources besides its spec: its `name` (its placement groups are
     `{name}-node{i}`), its `attempt` (only a launch's first may take the warm pool, and its job name
     must be free on the cluster), whether the cluster can grow (`fixed_size`: a layout that does not
-    fit fails at once), the nodes an earlier attempt lost (`avoid`), the launch's `scaling` policy,
-    and whether it is a grow's relaunch (`growing`: it waits for the nodes it saw room for)."""
+    fit fails at once), the nodes an earlier attempt lost (`avoid`), the launch's `scaling` policy
+    (None: the spec's node range as it is), and whether it is a grow's relaunch (`growing`: it waits
+    for the nodes it saw room for)."""
 
     name: str
     attempt: int = 0
@@ -87,9 +88,9 @@ class FromSpares:
 
     spares: SparePool
     stop: StopSignal
+    spec: LaunchSpec
+    scaling: ScalingPolicy
     avoid: frozenset[str] = frozenset()
-    spec: LaunchSpec | None = None
-    scaling: ScalingPolicy | None = None
 
     def take(self) -> Placed | None:
         size, spares = None, self.spares
@@ -114,7 +115,7 @@ class FromSpares:
     def _shrunk(self) -> NodeChoice | None:
         """How many nodes the spares left make, when the launch is elastic and the target takes it."""
         left = len({s.node_id for s in self.spares.slots if s.node_id not in self.avoid})
-        return NodeChoice(left, left) if self.scaling is not None and self.scaling.takes(left) else None
+        return NodeChoice(left, left) if self.scaling.takes(left) else None
 
 
 @dataclass
@@ -151,8 +152,8 @@ class Fresh:
     name: str
     stop: StopSignal
     fixed_size: bool
+    scaling: ScalingPolicy
     avoid: frozenset[str] = frozenset()
-    scaling: ScalingPolicy | None = None
     settle_s: float | None = None
 
     def take(self) -> Placed:
@@ -164,7 +165,7 @@ class Fresh:
         nodes = order_nodes(placement.resolve_nodes(groups))
         choice = None
         if spec.node_range.elastic:
-            choice = (self.scaling or ScalingPolicy(spec.node_range)).size(len(groups))
+            choice = self.scaling.size(len(groups))
             if choice.nodes is None:
                 placement.remove_groups(groups)
                 raise UsageError(f"--nodes {spec.node_range}: {choice.describe(spec.node_range)}")
@@ -181,8 +182,9 @@ def rank_sources(
     """In the order they are tried. The pool serves only a launch's first attempt (a relaunch has its
     spares, or places anew), and a first attempt's job name must be free on the cluster."""
     sources: list[RankSource] = []
+    scaling = ask.scaling or ScalingPolicy(spec.node_range)  # a rank group's: its fixed node count
     if spares is not None:
-        sources.append(FromSpares(spares, stop, ask.avoid, spec, ask.scaling))
+        sources.append(FromSpares(spares, stop, spec, scaling, ask.avoid))
     if host is not None:
         return [*sources, FromHost(*host)]
     first = ask.attempt == 0
@@ -192,4 +194,4 @@ def rank_sources(
     # a relaunch with --nodes MIN:MAX goes on at once with the nodes that hold a group now; a grow's
     # waits for the nodes it saw room for
     settle_s = None if first else GROW_SETTLE_S if ask.growing else RELAUNCH_SETTLE_S
-    return [*sources, Fresh(spec, ask.name, stop, ask.fixed_size, ask.avoid, ask.scaling, settle_s)]
+    return [*sources, Fresh(spec, ask.name, stop, ask.fixed_size, scaling, ask.avoid, settle_s)]

@@ -26,9 +26,8 @@ class DryRunRunner(TargetRunner[None]):
     looks_at_waits = False  # it times its forward steps (megatron/steptimes.py)
     grows_at_checkpoint = True
 
-    def describe(self, target: Target) -> str:
-        what = "dry run (rendezvous check, then a tiny Megatron GPT where megatron-core is installed)"
-        return " ".join([what, *target.args])
+    def shown_as(self, target: Target) -> str:
+        return "dry run (rendezvous check, then a tiny Megatron GPT where megatron-core is installed)"
 
     def check_locally(self, target: Target, cwd: str) -> None:
         check_dry_run_data(target.args, cwd)  # relative to the launch's working folder, as ranks read it
@@ -79,8 +78,8 @@ class MegatronRunner(TargetRunner[Plan]):
     looks_at_waits = False  # it times its forward steps (megatron/steptimes.py)
     grows_at_checkpoint = True
 
-    def describe(self, target: Target) -> str:
-        return " ".join([f"Megatron-Bridge pretrain(), recipe {target.name}", *target.args])
+    def shown_as(self, target: Target) -> str:
+        return f"Megatron-Bridge pretrain(), recipe {target.name}"
 
     def main(self, target: Target, cwd: str) -> Any:
         from .bridge_target import train_recipe

@@ -73,8 +73,8 @@ class _Importable(TargetRunner[None]):
 class ModuleRunner(_Importable):
     flag = "-m"
 
-    def describe(self, target: Target) -> str:
-        return " ".join([f"-m {target.name}", *target.args])
+    def shown_as(self, target: Target) -> str:
+        return f"-m {target.name}"
 
     def main(self, target: Target, cwd: str) -> None:
         use_own_modules(fresh_sys_path(cwd))  # as `python -m`, which puts the working folder first
