@@ -774,11 +774,15 @@ def restart_once(suite: Suite, mode: str, ckpt: Path) -> dict[str, Any]:
 AFTER_KILL = (
     ("failure seen", re.compile(r"restart 1 of 1 after: ")),
     ("spares took over", re.compile(r"the spares took over: (.*)")),
+    # which report told it: the node's watch of the process ending ("killed by SIGKILL") or Ray's
+    # report of the death, seconds later where the process held GPU memory
+    ("root cause", re.compile(r"^\s*what\s*: (.*)")),
 )
 
 
 def _after_kill(lines: list[tuple[float, str]], killed_at: float) -> str:
-    """When megaray saw the failure and its spares took over, in seconds after the kill."""
+    """When megaray saw the failure, its spares took over and it reported the root cause, in seconds
+    after the kill."""
     out = []
     for what, pattern in AFTER_KILL:
         hit = next(((t, m) for t, line in lines if t >= killed_at and (m := pattern.search(line))), None)
