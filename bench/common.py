@@ -40,7 +40,7 @@ def ray_cluster(nodes: int, cpus_per_node: int, gpus_per_node: int = 0) -> Itera
     yields its address. Only its own processes are stopped, never another Ray on the machine."""
     from ray.cluster_utils import Cluster
 
-    from launcher.driver.cluster import SIMULATED_NODE
+    from launcher.driver.cluster.cluster import SIMULATED_NODE
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     args = {"num_cpus": cpus_per_node, "num_gpus": gpus_per_node}
@@ -56,10 +56,10 @@ def ray_cluster(nodes: int, cpus_per_node: int, gpus_per_node: int = 0) -> Itera
 
 def stop_cluster(cluster) -> None:
     """`Cluster.shutdown`, its head's autoscaler monitor killed first, as megaray stops the Rays it
-    starts (launcher/driver/rayprivate.py `stop_monitor`: a second saved)."""
+    starts (launcher/driver/cluster/rayprivate.py `stop_monitor`: a second saved)."""
     if str(REPO) not in sys.path:  # a bench run as `python bench/<name>.py`
         sys.path.append(str(REPO))
-    from launcher.driver.cluster import stop_simulated
+    from launcher.driver.cluster.cluster import stop_simulated
 
     stop_simulated(cluster)
 

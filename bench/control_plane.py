@@ -57,7 +57,7 @@ def megaray_once(address: str, nodes: int, gpus: int) -> dict[str, float]:
 
     sys.path.insert(0, str(REPO))
     from launcher.core.spec import spec_from_args
-    from launcher.driver.launch import launch
+    from launcher.driver.lifecycle.launch import launch
 
     os.chdir(REPO)
     ray.init(address=address, namespace="megaray", log_to_driver=False)

@@ -91,7 +91,7 @@ def once(cluster, scenario: str, job: str, hang_timeout: float) -> tuple[float, 
     """A killed rank, a lost node or a hang: (seconds to ranks gone and groups removed, to exit)."""
     import ray
 
-    from launcher.driver.cluster import SIMULATED_NODE
+    from launcher.driver.cluster.cluster import SIMULATED_NODE
 
     runs = Path(tempfile.mkdtemp(prefix="megaray-failures-"))
     (runs / "loop.py").write_text(LOOP)
@@ -228,7 +228,7 @@ def main(argv: list[str] | None = None) -> dict:
     import ray
     from ray.cluster_utils import Cluster
 
-    from launcher.driver.cluster import SIMULATED_NODE
+    from launcher.driver.cluster.cluster import SIMULATED_NODE
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     cluster = Cluster(

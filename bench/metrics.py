@@ -1,4 +1,4 @@
-"""What the Prometheus metrics cost (core/metrics.py, rank/metrics.py, driver/metrics.py).
+"""What the Prometheus metrics cost (core/metrics.py, rank/metrics.py, driver/output/metrics.py).
 
 - step time: 2 simulated nodes x 2 CPU ranks of a gloo program whose steps compute (a 1-thread
   matmul), all-reduce and call `report()` on every rank (each report is recorded as metrics by the
@@ -86,7 +86,7 @@ def job_recorder(seconds: float, ranks: int) -> tuple[float, float]:
     kept, and without."""
     from launcher.core.lifecycle import LaunchState
     from launcher.core.metrics import MetricsMode, rank_labels
-    from launcher.driver.metrics import JobMetrics
+    from launcher.driver.output.metrics import JobMetrics
 
     def run(mode: MetricsMode) -> float:
         job = JobMetrics(f"bench-{ranks}-{mode}", mode)

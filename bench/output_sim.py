@@ -1,5 +1,5 @@
 """The output path at thousands of ranks, simulated on this machine (issue #31): megaray's own
-sink (driver/relay.py `OutputSink`) and node forwarders (rank/forwarder.py `NodeForwarder`),
+sink (driver/output/relay.py `OutputSink`) and node forwarders (rank/forwarder.py `NodeForwarder`),
 unchanged, with Ray's calls between them replaced by pipes that keep Ray's semantics for them.
 
 - the sink runs in a process of its own, one call at a time in arrival order (a Ray actor without
@@ -40,7 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from launcher.core.outbatch import Source
 
 FILLER = b"x" * 71 + b"\n"  # a typical log line's length
-DRAIN_EVERY_S = 0.25  # driver/supervise.py POLL_S
+DRAIN_EVERY_S = 0.25  # driver/supervision/supervise.py POLL_S
 GATHER_S = 0.03  # rank/capture.py PUMP_GATHER_S
 
 
@@ -230,7 +230,7 @@ def _serve_two(a, b, run_dir, node_of_rank, console) -> None:
     the order they arrive, as Ray's actor queue does."""
     import queue
 
-    from launcher.driver.relay import OutputSink
+    from launcher.driver.output.relay import OutputSink
 
     sink = OutputSink(run_dir, node_of_rank, console)
     calls: queue.Queue = queue.Queue()

@@ -70,8 +70,8 @@ def main() -> int:
 
     from launcher.core.errors import MegarayError
     from launcher.core.spec import spec_from_args
-    from launcher.driver import progress_view
-    from launcher.driver.launch import launch
+    from launcher.driver.lifecycle.launch import launch
+    from launcher.driver.output import progress_view
 
     states: dict[str, tuple[float, float]] = {}  # state -> (driver CPU, wall) when it was entered
     synced: Counter[str] = Counter()  # the GCS round trips before the ranks ran

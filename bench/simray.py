@@ -620,7 +620,7 @@ def remove_placement_group(group: SimGroup) -> None:
     group.remove()
 
 
-# -- the private calls (driver/rayprivate.py) -----------------------------------------------------------
+# -- the private calls (driver/cluster/rayprivate.py) ------------------------------------------------
 
 
 def kv_get(key: str, namespace: str | None = None) -> Any:
@@ -757,12 +757,12 @@ class SimRank:
 
 def install() -> None:
     """Put the stand-in under megaray's driver (its modules hold `ray` and a few names of it)."""
-    import launcher.driver.actors as actors
-    import launcher.driver.gang as gang
-    import launcher.driver.placement as placement
-    import launcher.driver.rank_ends as rank_ends
-    import launcher.driver.rayprivate as rayprivate
-    import launcher.driver.spares as spares
+    import launcher.driver.cluster.rayprivate as rayprivate
+    import launcher.driver.gang.actors as actors
+    import launcher.driver.gang.gang as gang
+    import launcher.driver.gang.placement as placement
+    import launcher.driver.gang.spares as spares
+    import launcher.driver.supervision.rank_ends as rank_ends
 
     api = {"get": get, "wait": wait, "kill": kill, "nodes": nodes, "remote": remote,
            "get_runtime_context": get_runtime_context, "is_initialized": lambda: True}  # fmt: skip

@@ -52,11 +52,11 @@ __all__ = [
 ]
 
 _LAZY = {
-    "launch": "driver.launch",
+    "launch": "driver.lifecycle.launch",
     "LaunchResult": "core.outcome",
     "RankInfo": "core.topology",
-    "RankGang": "driver.gang",
-    "RankGroup": "driver.group",
+    "RankGang": "driver.gang.gang",
+    "RankGroup": "driver.gang.group",
 }
 
 

@@ -1,4 +1,4 @@
-"""The controller's transitions (driver/controller.py) against a fake attempt: no Ray, no processes.
+"""The controller's transitions (driver/lifecycle/controller.py) against a fake attempt: no Ray, no processes.
 
 Each test scripts what the attempt's state methods do (return, raise a rank failure, raise on a
 signal) and reads where the launch went: its state, the states it went through, what was torn down,
@@ -17,7 +17,7 @@ from launcher.core.lifecycle import LaunchState
 from launcher.core.outcome import run_outcome
 from launcher.core.policy import FailureDecision, FailurePolicy
 from launcher.core.poll import AllReturned, RanksFailed, StillRunning
-from launcher.driver.controller import RELAUNCHED, REMOVED, Controller, LaunchObserver, RestartKind
+from launcher.driver.lifecycle.controller import RELAUNCHED, REMOVED, Controller, LaunchObserver, RestartKind
 
 P, S, R, F = LaunchState.PLACING, LaunchState.STARTING, LaunchState.RUNNING, LaunchState.FINISHING
 RESTARTING = LaunchState.RESTARTING
@@ -380,7 +380,7 @@ def test_probes_tell_an_answering_node_from_a_closed_port_and_a_silent_one():
     import socket
     import time
 
-    from launcher.driver.liveness import NodeProbes
+    from launcher.driver.supervision.liveness import NodeProbes
 
     listening = socket.create_server(("127.0.0.1", 0))
     refusing = socket.create_server(("127.0.0.1", 0))
@@ -421,7 +421,7 @@ def test_probes_are_spread_over_a_second_and_kept_within_the_descriptor_limit():
     more sockets are open at once than the driver's descriptor limit allows."""
     import socket
 
-    from launcher.driver.liveness import NodeProbes
+    from launcher.driver.supervision.liveness import NodeProbes
 
     server = socket.create_server(("127.0.0.1", 0), backlog=128)
     now = [0.0]
@@ -456,5 +456,5 @@ def test_growing_relaunches_without_counting_against_max_restarts():
     assert ("hand_over", 0) not in events and ("teardown", 0) in events and ("hand_over", 1) in events
     assert [(r.attempt, r.kind) for r in c.restarts] == [(1, RestartKind.GROW), (2, RestartKind.FAILURE)]
     assert c.restarts[0].cause == "the cluster has room for 3 node(s)" and c.failed == 1
-    # only the grow's relaunch waits for the nodes it saw room for (driver/sources.py GROW_SETTLE_S)
+    # only the grow's relaunch waits for the nodes it saw room for (driver/gang/sources.py GROW_SETTLE_S)
     assert [a.growing for a in attempts] == [False, True, False]

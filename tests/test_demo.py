@@ -54,7 +54,7 @@ def test_a_plain_torchrun_script_runs_locally_on_simulated_nodes_or_more_ranks_t
 
 
 def test_a_gpu_launch_on_a_machine_without_gpus_is_refused_before_a_ray_starts():
-    from launcher.driver.rayprivate import local_gpu_count
+    from launcher.driver.cluster.rayprivate import local_gpu_count
 
     if local_gpu_count():
         pytest.skip("this machine has GPUs")

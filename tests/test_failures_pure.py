@@ -10,7 +10,7 @@ import pytest
 from launcher.cli import main
 from launcher.core.deaths import death_cause, describe_death, readable_tail
 from launcher.core.errors import RankFailedError, RankFailure
-from launcher.driver.placement import nodes_that_fit, without_autoscaler
+from launcher.driver.gang.placement import nodes_that_fit, without_autoscaler
 
 
 def test_root_cause_is_the_earliest_failure_and_the_report_shows_its_traceback():
@@ -41,7 +41,7 @@ def test_a_hang_with_a_stopped_rank_waits_no_kill_grace_for_it():
 
 def test_a_node_lost_while_its_ranks_start_fails_those_ranks_as_died_naming_the_node():
     from launcher.core.topology import RankSlot
-    from launcher.driver.rank_ends import lost_while_starting, silent
+    from launcher.driver.supervision.rank_ends import lost_while_starting, silent
 
     slots = [RankSlot(r, r % 2, r // 2, r // 2, r % 2, f"10.0.0.{r // 2}", f"node{r // 2}", f"h{r // 2}")
              for r in range(4)]  # fmt: skip
@@ -196,7 +196,7 @@ def test_node_versions_must_match_the_driver():
 
     from launcher.core.errors import ClusterError
     from launcher.core.topology import RankReport
-    from launcher.driver.cluster import check_versions
+    from launcher.driver.cluster.cluster import check_versions
 
     py = ".".join(map(str, sys.version_info[:3]))
     same = RankReport(0, "10.0.0.1", "n1", "a", 1, (), ray.__version__, py, {})

@@ -183,7 +183,7 @@ def test_the_first_step_is_checked_against_the_placed_gpus_unless_a_size_is_give
     from launcher.core.memory import MemoryEstimate
     from launcher.core.progress import TrainingFacts
     from launcher.core.spec import spec_from_args
-    from launcher.driver.registry import runner_for
+    from launcher.driver.lifecycle.registry import runner_for
     from launcher.megatron.preflight import Plan
 
     est = MemoryEstimate(model_state=60 * 2**30, activations=18 * 2**30, parameters=8.03e9)

@@ -9,7 +9,7 @@ from launcher.core import metrics as m
 from launcher.core.layout import ParallelDims
 from launcher.core.metrics import MetricsMode, RankTrack
 from launcher.core.straggler import StepSample, WaitSample
-from launcher.driver.metrics import JobMetrics
+from launcher.driver.output.metrics import JobMetrics
 
 
 def test_a_ranks_step_time_tokens_and_mfu_come_from_its_reports_since_the_last_export():

@@ -17,7 +17,7 @@ from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from launcher.cli import main
-from launcher.driver.cluster import SIMULATED_NODE, stop_simulated
+from launcher.driver.cluster.cluster import SIMULATED_NODE, stop_simulated
 
 from . import drive
 from .conftest import REPO, free_port, leftovers, read_ranks

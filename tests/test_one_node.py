@@ -272,7 +272,7 @@ def test_a_node_s_forwarder_tells_a_rank_process_ending_with_its_status():
     import subprocess
     import sys
 
-    from launcher.driver.relay import _forwarder_class
+    from launcher.driver.output.relay import _forwarder_class
 
     forwarder = _forwarder_class().remote(None, frozenset(), 1)
     procs = [subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"]) for _ in range(2)]
@@ -474,7 +474,7 @@ def test_a_master_port_left_in_time_wait_by_the_last_run_is_taken_as_under_torch
 
 
 def test_port_reservations_are_exclusive_across_jobs():
-    from launcher.driver import ports
+    from launcher.driver.gang.gang import ports
 
     assert ports.reserve("10.9.9.9", [21001, 21002], "job-a") == 21001
     assert ports.reserve("10.9.9.9", [21001, 21002], "job-b") == 21002
@@ -675,7 +675,7 @@ def test_more_ranks_than_the_forwarder_takes_calls_at_once_still_print_and_stop(
     takes 2 calls at once (a launch's takes Ray's 1,000) and 6 ranks wait: their output must still
     reach the sink and their stop still be delivered, as for a node of many ranks (the waits have
     their own group)."""
-    from launcher.driver.relay import _forwarder_class, start_sink
+    from launcher.driver.output.relay import _forwarder_class, start_sink
 
     world = 6
     sink = start_sink("many-ranks-sink").remote(str(tmp_path), [0] * world, frozenset(range(world)))
@@ -725,7 +725,7 @@ def test_a_slow_sink_slows_the_sending_not_the_program_and_loses_nothing(tmp_pat
     """Two ranks flood a sink that takes half a second a call, through their node's forwarder: one
     batch in flight for the node, one write in flight per rank, the rest waits in the spools and goes
     in the next batch; every line reaches each rank's log."""
-    from launcher.driver.relay import OutputSink, _forwarder_class
+    from launcher.driver.output.relay import OutputSink, _forwarder_class
 
     class SlowSink(OutputSink):
         calls = 0

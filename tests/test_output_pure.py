@@ -9,8 +9,8 @@ from launcher.core.progress import TrainingFacts, parse_megatron_line
 from launcher.core.rankenv import decide_env, redact
 from launcher.core.straggler import WaitSample
 from launcher.core.topology import parse_rank_list
-from launcher.driver.progress_view import ProgressView
-from launcher.driver.relay import OutputSink
+from launcher.driver.output.progress_view import ProgressView
+from launcher.driver.output.relay import OutputSink
 
 # One line of Megatron-Bridge's training log (training/utils/train_utils.py, training_log)
 BRIDGE_LINE = (
@@ -332,8 +332,8 @@ def test_a_run_directory_deleted_mid_run_is_said_and_the_run_goes_on(tmp_path, c
     import logging
     import shutil
 
-    from launcher.driver.rankfiles import RankFiles
-    from launcher.driver.rundir import RunDir
+    from launcher.driver.output.rankfiles import RankFiles
+    from launcher.driver.output.rundir import RunDir
 
     run = RunDir(tmp_path / "job")
     files = RankFiles(run.path, 2)

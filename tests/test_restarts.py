@@ -19,8 +19,8 @@ import ray
 from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
 
-from launcher.driver.cluster import SIMULATED_NODE, stop_simulated
-from launcher.driver.supervise import STARTUP_GRACE_S
+from launcher.driver.cluster.cluster import SIMULATED_NODE, stop_simulated
+from launcher.driver.supervision.supervise import STARTUP_GRACE_S
 
 from . import drive
 from .conftest import REPO, connected, free_port, leftovers

@@ -1,5 +1,5 @@
 """Tier 1, with no process started: warm spares and target runners: what is imported ahead (rank/warmup.py,
-driver/registry.py)."""
+driver/lifecycle/registry.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import os
 from launcher.core.recipes import load_recipe
 from launcher.core.spec import spec_from_args
 from launcher.core.target import DRY_RUN_TARGET, Target
-from launcher.driver.registry import runner_for
+from launcher.driver.lifecycle.registry import runner_for
 from launcher.rank.probes import wait_gone
 from launcher.rank.warmup import warm
 
@@ -32,7 +32,7 @@ def test_spares_import_the_launcher_stack_never_user_code():
 def test_every_kind_of_target_has_a_runner_and_plain_programs_resume_themselves():
     from launcher.core.spec import spec_from_args
     from launcher.core.target import TargetKind
-    from launcher.driver.registry import RUNNERS
+    from launcher.driver.lifecycle.registry import RUNNERS
 
     assert set(RUNNERS) == set(TargetKind)
     spec = spec_from_args(["train.py", "--lr", "1"])
@@ -106,7 +106,7 @@ def test_a_recipe_pool_imports_bridge_and_the_recipe_and_bad_input_is_said_at_on
     import pytest
 
     from launcher.core.errors import UsageError
-    from launcher.driver.pool import PoolLayout
+    from launcher.driver.cluster.pool import PoolLayout
 
     layout = PoolLayout(1, 2, "gpu", recipe="gpt_small")
     assert "launcher.megatron.compat:import_bridge" in layout.imports

@@ -80,8 +80,8 @@ def test_spec_validates_itself():
 
 
 def check_target_locally(target: Target, cwd: str) -> None:
-    """What the launch does first with its target (driver/launch.py): its runner's local checks."""
-    from launcher.driver.registry import runner_for
+    """What the launch does first with its target (driver/lifecycle/launch.py): its runner's local checks."""
+    from launcher.driver.lifecycle.registry import runner_for
 
     runner_for(target).check_locally(target, cwd)
 
@@ -89,7 +89,7 @@ def check_target_locally(target: Target, cwd: str) -> None:
 def test_each_kind_of_target_is_described_by_its_runner():
     """The registry's hooks (core/runner.py): a new kind of target says how it reads in its own module."""
     from launcher.core.target import GROUP_TARGET
-    from launcher.driver.registry import RUNNERS, runner_for
+    from launcher.driver.lifecycle.registry import RUNNERS, runner_for
 
     shown = {
         kind: runner_for(Target(kind, name, ("a=1",))).describe(Target(kind, name, ("a=1",)))

@@ -1,5 +1,5 @@
-"""Straggler decisions (core/straggler.py) and what the driver says of them (driver/stragglers.py),
-fed with samples at set times: no processes."""
+"""Straggler decisions (core/straggler.py) and what the driver says of them
+(driver/supervision/stragglers.py), fed with samples at set times: no processes."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from launcher.core.straggler import CONFIRM_S, SLOWER_BY, StepDetector, StepSample, WaitDetector, WaitSample
-from launcher.driver.stragglers import StragglerWatch
+from launcher.driver.supervision.stragglers import StragglerWatch
 
 EVERY = 2.5  # seconds between a rank's sends, 25 looks each
 

@@ -132,7 +132,8 @@ def test_modules_and_classes_stay_readable():
 
 
 def test_rays_private_apis_are_called_from_one_module():
-    """driver/rayprivate.py says why each is needed; a Ray upgrade that moves one breaks there only."""
+    """driver/cluster/rayprivate.py says why each is needed; a Ray upgrade that moves one breaks
+    there only."""
     private = ("ray._private", "ray._raylet", "ray.experimental.internal_kv")
     callers = []
     for path in PKG.rglob("*.py"):

@@ -13,8 +13,8 @@ import pytest
 from launcher.core.elastic import GrowTo
 from launcher.core.errors import Interrupted, RankFailedError, RankFailure
 from launcher.core.poll import AllReturned, RanksFailed, StillRunning
-from launcher.driver.stop import StopSignal
-from launcher.driver.supervise import (
+from launcher.driver.lifecycle.stop import StopSignal
+from launcher.driver.supervision.supervise import (
     PEER_WAIT_S,
     ROOT_CAUSE_WINDOW_S,
     STARTUP_GRACE_S,
@@ -252,7 +252,7 @@ def test_a_ctrl_c_an_import_swallowed_is_raised_again_at_the_next_step_without_i
 
     code = """
 import os, signal, sys
-from launcher.driver.stop import EarlyInterrupt
+from launcher.driver.lifecycle.stop import EarlyInterrupt
 
 class Dies:
     def __del__(self):

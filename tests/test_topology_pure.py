@@ -83,7 +83,7 @@ def test_port_candidates_depend_on_the_job_and_avoid_the_ephemeral_range():
 
 
 def test_groups_sharing_a_node_are_all_found_in_one_pass():
-    from launcher.driver.placement import sort_out
+    from launcher.driver.gang.placement import sort_out
 
     assert sort_out(set(), [(0, "a"), (1, "b"), (2, "c")]) == ([0, 1, 2], [])
     # placed again together, in one round: on a node held before, or by an earlier one of these
@@ -93,7 +93,7 @@ def test_groups_sharing_a_node_are_all_found_in_one_pass():
 def test_placing_waits_at_most_10_s_on_a_cluster_that_cannot_grow():
     """What the restart line says it waits is what placing waits (it said 120 s on `megaray up`)."""
     from launcher.core.spec import spec_from_args
-    from launcher.driver.placement import wait_s
+    from launcher.driver.gang.placement import wait_s
 
     spec = spec_from_args(["--dry-run"])
     assert (wait_s(spec, fixed_size=True), wait_s(spec, fixed_size=False)) == (10.0, 120.0)

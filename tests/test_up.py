@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from launcher.driver.owned import session_members
+from launcher.driver.cluster.owned import session_members
 
 from . import drive
 from .conftest import REPO

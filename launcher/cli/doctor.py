@@ -186,7 +186,7 @@ def main(argv: list[str], exits_after: bool = False) -> int:
     address = args.address or os.environ.get("RAY_ADDRESS")
     import ray
 
-    from ..driver import up
+    from ..driver.cluster import up
 
     if not address and not ray.is_initialized() and up.running() is None:  # the launches' "which Ray"
         raise UsageError(
@@ -195,7 +195,7 @@ def main(argv: list[str], exits_after: bool = False) -> int:
         )
     from ..core.spec import LaunchSpec
     from ..core.target import DRY_RUN_TARGET
-    from ..driver.cluster import connect
+    from ..driver.cluster.cluster import connect
 
     probe_spec = LaunchSpec(
         nodes=1, gpus_per_node=1, target=DRY_RUN_TARGET, dry_run=True, address=address, job_name="doctor"
@@ -216,7 +216,7 @@ def main(argv: list[str], exits_after: bool = False) -> int:
 def _probe_all(args: argparse.Namespace, profile: dict[str, str]) -> list[NodeReport]:
     import ray
 
-    from ..driver.actors import on_node
+    from ..driver.gang.actors import on_node
 
     alive = sorted(
         (n for n in ray.nodes() if n["Alive"]),
@@ -238,7 +238,7 @@ def _links(every_pair: bool, timeout_s: float = 3.0) -> bool:
     only to rank 0."""
     import ray
 
-    from ..driver.actors import kill_actors, on_node
+    from ..driver.gang.actors import kill_actors, on_node
     from ..rank.links import LinkProbe
 
     alive = sorted(
@@ -314,7 +314,7 @@ def _print_nodes(reports: list[NodeReport]) -> bool:
 def _bandwidth(args: argparse.Namespace, address: str | None) -> bool:
     from ..core.errors import MegarayError
     from ..core.spec import spec_from_args
-    from ..driver.launch import launch
+    from ..driver.lifecycle.launch import launch
 
     argv = ["--nodes", str(args.nodes), "--gpus-per-node", str(args.gpus_per_node), "--device", args.device]
     argv += ["--runs-dir", tempfile.mkdtemp(prefix="megaray-doctor-"), "--placement-timeout", "60"]

@@ -39,7 +39,7 @@ def _client(address: str | None):
     from ray.exceptions import AuthenticationError
     from ray.job_submission import JobSubmissionClient
 
-    from ..driver.auth import token_mode
+    from ..driver.cluster.auth import token_mode
 
     if not address:
         _check_last_cluster()
@@ -68,8 +68,8 @@ def _client(address: str | None):
 def _check_last_cluster() -> None:
     """With no address, Ray's job client asks the cluster last started on this machine (the file
     `ray start` leaves in Ray's temp dir), and waits 30 s and more for one that has gone away."""
-    from ..driver import rayprivate
-    from ..driver.reach import check_reachable
+    from ..driver.cluster import rayprivate
+    from ..driver.cluster.reach import check_reachable
 
     last = rayprivate.last_cluster_address()
     if not last:

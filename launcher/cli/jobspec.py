@@ -25,7 +25,7 @@ from ..core.spec import LaunchSpec, spec_from_args
 from ..core.spec import build_parser as build_launch_parser
 from ..core.topology import format_table
 from ..core.versions import megaray_version, python_version
-from ..driver.registry import runner_for
+from ..driver.lifecycle.registry import runner_for
 
 log = logging.getLogger("megaray")
 

@@ -71,14 +71,16 @@ def main(argv: list[str] | None = None, *, exits_after: bool = False) -> int:
             return COMMANDS[argv[0]].run(argv[0], argv[1:], exits_after)
         spec = spec_from_args(argv, help_epilog=commands_help())
         if spec.check_only:
-            from ..driver.stop import EarlyInterrupt
+            from ..driver.lifecycle.stop import EarlyInterrupt
             from ..megatron.preflight import preflight
 
             with EarlyInterrupt().installed() as early:
                 preflight(spec)
                 early.check()  # a Ctrl-C its imports swallowed
             return 0
-        from ..driver.launch import launch  # imports ray: after the spec, so --help and bad input stay fast
+        from ..driver.lifecycle.launch import (
+            launch,  # imports ray: after the spec, so --help and bad input stay fast
+        )
 
         result = launch(spec, exits_after=exits_after)
         if spec.dry_run:

@@ -1,5 +1,5 @@
-"""`megaray up`, `megaray down`: a local Ray that launches attach to, started once (driver/up.py),
-and warm pools on it or on a cluster (driver/pool.py); `megaray list` shows them (`show_pools`)."""
+"""`megaray up`, `megaray down`: a local Ray that launches attach to, started once (driver/cluster/up.py),
+and warm pools on it or on a cluster (driver/cluster/pool.py); `megaray list` shows them (`show_pools`)."""
 
 from __future__ import annotations
 
@@ -56,12 +56,12 @@ def build_parser(command: str) -> argparse.ArgumentParser:
 
 
 def main(command: str, argv: list[str], exits_after: bool = False) -> int:
-    from ..driver import up
+    from ..driver.cluster import up
 
     args = build_parser(command).parse_args(argv)
     if command == "up":
         return _up(args, exits_after)
-    from ..driver import pool
+    from ..driver.cluster import pool
 
     address = args.address or os.environ.get("RAY_ADDRESS")
     standing = up.running()
@@ -96,8 +96,8 @@ def main(command: str, argv: list[str], exits_after: bool = False) -> int:
 
 
 def _up(args: argparse.Namespace, exits_after: bool) -> int:
-    from ..driver import up
-    from ..driver.pool import PoolLayout, keep
+    from ..driver.cluster import up
+    from ..driver.cluster.pool import PoolLayout, keep
 
     device = args.device or ("gpu" if args.address else "cpu")
     layout = PoolLayout(
@@ -155,7 +155,7 @@ def _up(args: argparse.Namespace, exits_after: bool) -> int:
 def show_pools(address: str | None, exits_after: bool = False) -> bool:
     """For `megaray list`: the `megaray up` Ray and the warm pool of the cluster at `address` (a GCS
     HOST:PORT), or of `megaray up`'s Ray. Whether a `megaray up` is running."""
-    from ..driver import pool, up
+    from ..driver.cluster import pool, up
 
     standing = up.running()
     if standing is not None:
@@ -180,7 +180,7 @@ def _connected(address: str, exits_after: bool = False) -> Iterator[None]:
     """Connected to the cluster at `address` as a launch connects (token auth, clear errors)."""
     from ..core.spec import LaunchSpec
     from ..core.target import DRY_RUN_TARGET
-    from ..driver.cluster import connect
+    from ..driver.cluster.cluster import connect
 
     probe = LaunchSpec(nodes=1, gpus_per_node=1, target=DRY_RUN_TARGET, dry_run=True, address=address,
                        job_name="megaray-pool")  # fmt: skip

@@ -37,7 +37,7 @@ class ProcessEnd:
         """Whether the node saw a failure: a non-zero exit or a signal. Not a clean exit, and not a
         process found already gone (status unknown: Ray's raylet, its parent, reaped it before the
         look, as it often does on a loaded machine): that one is left to Ray's report of the death,
-        which tells an os._exit(0) by the rank's exit mark (driver/rank_ends.py)."""
+        which tells an os._exit(0) by the rank's exit mark (driver/supervision/rank_ends.py)."""
         return self.status is not None and not self.clean
 
     @property

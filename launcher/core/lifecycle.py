@@ -1,4 +1,4 @@
-"""The controller's vocabulary (driver/controller.py): where a launch stands (`LaunchState`, one
+"""The controller's vocabulary (driver/lifecycle/controller.py): where a launch stands (`LaunchState`, one
 value, as torch elastic's `WorkerState`), a relaunch as summary.json records it (`Restart`), and what
 is told of each step to those who watch it (`LaunchObserver`: the progress view, the job's metrics)."""
 
@@ -13,7 +13,7 @@ from .errors import RankFailedError
 
 class LaunchState(StrEnum):
     """Where a launch stands: one value, stepped through by the driver's controller
-    (driver/controller.py). An attempt goes placing -> starting -> running -> finishing; a failure
+    (driver/lifecycle/controller.py). An attempt goes placing -> starting -> running -> finishing; a failure
     while restarts are left goes through restarting back to placing. The last four end a launch; their
     values are summary.json's `status`."""
 

@@ -1,6 +1,7 @@
-"""Whether a node of the job still answers, decided from megaray's own probes (driver/liveness.py),
-not Ray's health checks: with Ray's defaults a node whose link is cut is declared dead after about
-60 s (5 checks, 10 s timeout each), on a cluster the user often did not start and cannot retune.
+"""Whether a node of the job still answers, decided from megaray's own probes
+(driver/supervision/liveness.py), not Ray's health checks: with Ray's defaults a node whose link is cut is
+declared dead after about 60 s (5 checks, 10 s timeout each), on a cluster the user often did not start and
+cannot retune.
 
 A probe is a TCP connection to the node's raylet port: the kernel answers it whatever the raylet or
 the ranks are doing (a node at 100% CPU, a rank in a 60 s C call, a long checkpoint write, a stopped

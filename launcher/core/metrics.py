@@ -7,7 +7,7 @@ agent, which Ray lists for Prometheus in its service-discovery file), so they ap
 do; Ray prefixes them `ray_` (`megaray_rank_step_seconds` is scraped as
 `ray_megaray_rank_step_seconds`). Per-rank metrics are recorded by each node's forwarder
 (rank/forwarder.py), which sees its ranks' reports and samples anyway, so they need no call more;
-per-job ones by the driver (driver/metrics.py). The Grafana dashboard (examples/grafana/) reads these
+per-job ones by the driver (driver/output/metrics.py). The Grafana dashboard (examples/grafana/) reads these
 names, and a test runs each of its queries against a real Prometheus.
 """
 

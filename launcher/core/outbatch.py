@@ -1,4 +1,4 @@
-"""What one node sends the driver's output sink at a time (rank/forwarder.py -> driver/relay.py).
+"""What one node sends the driver's output sink at a time (rank/forwarder.py -> driver/output/relay.py).
 
 Ranks send their output to a forwarder on their own node, which sends one batch at a time to the
 sink: the sink's calls grow with the nodes, not the ranks, and a sink slower than the output makes

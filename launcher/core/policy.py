@@ -1,5 +1,5 @@
 """What follows a failed attempt, decided from the failure alone (Ray Train's `FailurePolicy`
-makes the same decision from a typed failure): the controller (driver/controller.py) only carries
+makes the same decision from a typed failure): the controller (driver/lifecycle/controller.py) only carries
 it out, so the rule is tested without a cluster."""
 
 from __future__ import annotations

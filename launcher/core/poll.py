@@ -1,6 +1,6 @@
-"""What one look at a running attempt found, typed: the controller decides from it (driver/controller.py
-`Running`) as Ray Train v2's controller decides from its worker group's `WorkerGroupPollStatus`,
-instead of the watch raising out of its callbacks."""
+"""What one look at a running attempt found, typed: the controller decides from it
+(driver/lifecycle/controller.py `Running`) as Ray Train v2's controller decides from its worker group's
+`WorkerGroupPollStatus`, instead of the watch raising out of its callbacks."""
 
 from __future__ import annotations
 

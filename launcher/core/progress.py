@@ -1,5 +1,5 @@
 """Training progress as data: Megatron's iteration log line parsed, and what the driver knows of the
-training from the config the preflight built (the display is driver/progress_view.py, the rank-side
+training from the config the preflight built (the display is driver/output/progress_view.py, the rank-side
 `report()` rank/capture.py, FLOPs per token megatron/facts.py)."""
 
 from __future__ import annotations

@@ -221,7 +221,7 @@ def decide_env(
 # Ray starts its worker processes at niceness 15 (its `worker_niceness`, so that they yield the CPU to
 # the raylet and GCS); torchrun's workers run at the launcher's, 0, and a rank's data-loader workers
 # inherit it. The nodes megaray starts itself (a local run's, simulated ones, `megaray up`'s) are
-# started with it at 0 (driver/nodeenv.py), so every worker there, ranks and megaray's helpers alike,
+# started with it at 0 (driver/cluster/nodeenv.py), so every worker there, ranks and megaray's helpers alike,
 # runs at 0; a cluster started by hand keeps its own (`ray start` with RAY_worker_niceness=0 gives
 # the same). A rank removes the variable from its environment (rank/actor.py): torchrun's have none.
 NICENESS_VAR = "RAY_worker_niceness"

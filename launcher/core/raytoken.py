@@ -1,6 +1,6 @@
 """Where Ray's token authentication finds this machine's token, in Ray's own order: RAY_AUTH_TOKEN,
 then the file RAY_AUTH_TOKEN_PATH names, then ~/.ray/auth_token. One place for the driver's attach
-(driver/auth.py), the job client's bearer header (cli/jobspec.py) and `megaray up`, which makes a
+(driver/cluster/auth.py), the job client's bearer header (cli/jobspec.py) and `megaray up`, which makes a
 token where none exists yet, as Ray's documentation says to for local development."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A terminal shows only a bar's latest state; a rank's output, read line by line, would get none of it
 until the bar's newline (tqdm's last), while the text held for the line grew with every redraw. Here
 a line's state is what follows its last carriage return: a finished line shows its last state, and
-an unfinished one is read for its current state, which the sink shows now and then (driver/relay.py).
+an unfinished one is read for its current state, which the sink shows now and then (driver/output/relay.py).
 Pure, so it is tested without processes.
 """
 

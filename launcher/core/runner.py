@@ -1,6 +1,6 @@
 """What each kind of target does, on a rank and in the driver, as one object per kind (torchtitan's
 `TrainSpec` does the same for its models). The registry that maps a kind to its runner is the
-driver's (driver/registry.py): plain programs register theirs from rank/programs.py, the Megatron
+driver's (driver/lifecycle/registry.py): plain programs register theirs from rank/programs.py, the Megatron
 targets from megatron/runners.py, so that neither rank/ nor the driver knows Megatron's rules.
 
 A runner is sent to each rank with its target, so it must pickle by reference: a module-level class
@@ -59,7 +59,9 @@ class TargetRunner[P]:
     are a plain program's: nothing checked ahead, nothing changed on a relaunch (it
     resumes itself, as under torchrun), torch imported ahead by a warm spare."""
 
-    relays_output = True  # megaray collects its ranks' output (driver/relay.py), not Ray's log streaming
+    relays_output = (
+        True  # megaray collects its ranks' output (driver/output/relay.py), not Ray's log streaming
+    )
     # straggler detection looks at the rank's stack (rank/waits.py); a target that times its own steps
     # (the Megatron targets: megatron/steptimes.py) needs no looks
     looks_at_waits = True
@@ -138,7 +140,7 @@ class TargetRunner[P]:
 
 
 class RankGroupRunner(TargetRunner[None]):
-    """A rank group's functions are called from the driver's process (driver/group.py), and print
+    """A rank group's functions are called from the driver's process (driver/gang/group.py), and print
     through Ray's own log streaming: the group has no output sink."""
 
     relays_output = False

@@ -4,8 +4,8 @@
 here is a process a Ray node started, on this machine or another, so the driver forwards its shell's
 variables itself, as torchrun's children would have them, less what describes the driver's own
 machine, login session or launcher: on another node (or in a Ray worker here) that would be wrong,
-and the node has its own (a local run's node has this machine's, driver/nodeenv.py). The rule is the
-same locally and on a cluster. Values are never printed (driver/gang.py, rundir.py redact them).
+and the node has its own (a local run's node has this machine's, driver/cluster/nodeenv.py). The rule is the
+same locally and on a cluster. Values are never printed (driver/gang/gang.py, rundir.py redact them).
 """
 
 from __future__ import annotations

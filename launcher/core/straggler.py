@@ -1,6 +1,6 @@
 """Which rank the others wait for, decided without processes; the driver feeds it and says what it
-finds (driver/stragglers.py). Two kinds of evidence, one detector each, registered by the sample they
-take (`DETECTORS`):
+finds (driver/supervision/stragglers.py). Two kinds of evidence, one detector each, registered
+by the sample they take (`DETECTORS`):
 
 - Where each rank's main thread is when looked at (rank/waits.py), for any program. In a synchronous
   job every step ends in a collective, and a rank that computes longer than its peers makes each of
@@ -295,5 +295,5 @@ class StepDetector(StragglerDetector):
         return found
 
 
-# which detector takes which sample (driver/stragglers.py keeps one of each per job)
+# which detector takes which sample (driver/supervision/stragglers.py keeps one of each per job)
 DETECTORS: dict[type, type[StragglerDetector]] = {d.sample_type: d for d in (WaitDetector, StepDetector)}

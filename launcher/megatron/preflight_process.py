@@ -3,7 +3,7 @@
 Building a recipe's config imports Megatron-Bridge (11-36 s on GPU machines) and the ranks import it
 again; torchrun pays that once. Here the driver starts this process first, then connects, places
 and starts the ranks, which import their stack meanwhile; the ranks' program starts once the verdict
-is in (driver/launch.py), and a refusal ends the launch with its one line, exit 2, nothing left.
+is in (driver/lifecycle/launch.py), and a refusal ends the launch with its one line, exit 2, nothing left.
 
 Its own process, not a thread: the import is seconds of Python holding the GIL the driver's loops
 need; like `--check`, it sees no GPU (preflight.py `no_gpu_visible`), so that importing bridge never

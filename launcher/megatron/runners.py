@@ -1,4 +1,4 @@
-"""The Megatron targets, as the driver's registry (driver/registry.py) takes them: a Megatron-Bridge
+"""The Megatron targets, as the driver's registry (driver/lifecycle/registry.py) takes them: a Megatron-Bridge
 recipe and the built-in dry run. What they need of the driver lives here, not there: the preflight,
 the collective timeout that must outlast --hang-timeout, and where a relaunch resumes from."""
 

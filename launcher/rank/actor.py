@@ -103,7 +103,9 @@ class RankActor:
         self.error_file: str | None = None  # TORCHELASTIC_ERROR_FILE, set with the env
         self.gpu_use = None  # a spare's watch of its rank's GPU memory (rank/gpu_room.py)
         self.took_over: str | None = None  # a spare: when its rank's process was gone, or its GPU had room
-        if pooled:  # a pool's process (driver/pool.py): import now if warm, give the bundle back when idle
+        if (
+            pooled
+        ):  # a pool's process (driver/cluster/pool.py): import now if warm, give the bundle back when idle
             from .warmup import expire_when_idle, warm
 
             self.warmed = warm(pooled["env"], tuple(pooled["steps"]))
@@ -151,8 +153,8 @@ class RankActor:
         prepare: tuple[TargetRunner, Target] | None = None,
     ) -> dict[str, Any]:  # fmt: skip
         """Take the env and do the imports now (then the runner's `prepare`): as a spare for the next
-        attempt (driver/spares.py), or as a rank whose program waits for the preflight's verdict
-        (`own_program_next`: driver/attempt.py `import_ahead`)."""
+        attempt (driver/gang/spares.py), or as a rank whose program waits for the preflight's verdict
+        (`own_program_next`: driver/lifecycle/attempt.py `import_ahead`)."""
         from .warmup import warm
 
         return warm(env, steps, own_program_next, prepare)
@@ -176,7 +178,7 @@ class RankActor:
         host_store: bool = False,
     ) -> tuple[dict[str, str], str | None]:
         """Apply the rank's env before any framework is imported, and send this process's output to
-        `sink` (a launch's OutputSink, driver/relay.py) from here on, through the file `spool` on this
+        `sink` (a launch's OutputSink, driver/output/relay.py) from here on, through the file `spool` on this
         node (rank/spool.py). Rank 0 (`host_store`) takes MASTER_PORT for the rendezvous store it
         serves (rank/store.py). Returns the whole environment the rank now has, and for a spare when
         it took over (`took_over`).

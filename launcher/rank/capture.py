@@ -1,4 +1,4 @@
-"""In a rank: its output and progress, sent to the launch's sink (driver/relay.py).
+"""In a rank: its output and progress, sent to the launch's sink (driver/output/relay.py).
 
 Ray's own log streaming prints every rank's lines with a long prefix and keeps them on the node
 that produced them. Here each rank's stdout and stderr (the file descriptors, so NCCL's and other C

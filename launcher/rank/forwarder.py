@@ -1,5 +1,5 @@
 """On each node of a launch: one forwarder (a Ray actor, no CPU reserved) between the node's ranks and
-the driver's output sink (driver/relay.py).
+the driver's output sink (driver/output/relay.py).
 
 A rank's threads (rank/capture.py, rank/waits.py) call their node's forwarder, never the driver:
 its output, its progress reports and wait samples, and the wait for a graceful stop. The forwarder
@@ -74,7 +74,7 @@ class NodeForwarder:
 
     async def relabel(self, labels: RankLabels) -> None:
         """The ranks' coordinates (TP, PP, DP), once the preflight knows the layout: before the
-        program starts, so before any report (driver/attempt.py)."""
+        program starts, so before any report (driver/lifecycle/attempt.py)."""
         if self.metrics is not None:
             self.metrics.labels = labels
 
@@ -145,8 +145,8 @@ class NodeForwarder:
 
     @ray.method(concurrency_group=CONTROL)
     async def watch_ends(self, pids: list[int]) -> list[ProcessEnd]:
-        """Returns once any of these processes (the node's ranks) is ending: the moment it starts to
-        exit, seconds before Ray reports it dead where it held GPU memory (driver/rank_ends.py). One
+        """Returns once any of these processes (the node's ranks) is ending: the moment it starts to exit,
+        seconds before Ray reports it dead where it held GPU memory (driver/supervision/rank_ends.py). One
         already gone at the first look is left to Ray's report: its pid may be another's by now."""
         from .probes import ending
 

@@ -1,6 +1,6 @@
 """Metrics through Ray's own export (`ray.util.metrics`), kept alive: on each node, in its forwarder
 (rank/forwarder.py), the node's ranks' metrics, from the reports and samples the forwarder passes on
-anyway; the driver's job metrics (driver/metrics.py) use the same store. What is recorded, and how a
+anyway; the driver's job metrics (driver/output/metrics.py) use the same store. What is recorded, and how a
 node's ranks combine under `--metrics node`, is core/metrics.py's."""
 
 from __future__ import annotations

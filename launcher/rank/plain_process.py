@@ -3,8 +3,8 @@
 A rank runs its program in the Ray worker process of its actor (rank/actor.py). Ray starts that
 process with its own settings; a program must see the process torchrun would have given it. What
 has to be there from the process's start is given to Ray: start-up variables when the actor is
-created (driver/actors.py), niceness when megaray starts the nodes (driver/nodeenv.py); the rest is
-put right here, before the program runs.
+created (driver/gang/actors.py), niceness when megaray starts the nodes
+(driver/cluster/nodeenv.py); the rest is put right here, before the program runs.
 """
 
 from __future__ import annotations

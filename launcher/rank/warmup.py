@@ -1,4 +1,4 @@
-"""In a warm spare (driver/spares.py): the rank's env, then the imports its rank will need, before the
+"""In a warm spare (driver/gang/spares.py): the rank's env, then the imports its rank will need, before the
 rank it replaces has failed."""
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ def warm(
 
     In a spare or a pool's process the imports' warnings are not shown (the ranks printed them) and
     what they set in the environment goes (a program that does not import them would not have it);
-    `own_program_next`: a rank whose program, which imports the same, runs next (driver/attempt.py
+    `own_program_next`: a rank whose program, which imports the same, runs next (driver/lifecycle/attempt.py
     `import_ahead`): both stay, as if the program had imported them itself. `prepare`: (runner,
     target), whose `prepare` then runs (core/runner.py: a Megatron recipe's config built ahead)."""
     quiet = not own_program_next

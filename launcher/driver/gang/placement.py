@@ -1,0 +1,366 @@
+"""Placement groups: one STRICT_PACK group per node, all requested at once, removed on every exit."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import re
+import time
+from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
+
+import ray
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
+
+from ...core.errors import ResourceError, UsageError
+from ...core.spec import LaunchSpec
+from ...core.topology import NodeSlot
+from ..cluster import rayprivate
+from ..lifecycle.stop import StopSignal
+from .actors import wait_all
+
+log = logging.getLogger("megaray")
+NODE_ID_LABEL = "ray.io/node-id"  # a label Ray gives every node
+
+
+def bundle_for(spec: LaunchSpec) -> dict[str, float]:
+    bundle: dict[str, float] = {}
+    if spec.uses_gpus:
+        bundle["GPU"] = 1
+    if spec.cpus_per_rank > 0:
+        bundle["CPU"] = spec.cpus_per_rank
+    return bundle
+
+
+def nodes_that_fit(totals: Mapping[str, Mapping[str, float]], bundle: Mapping[str, float], count: int) -> int:
+    """How many nodes could hold one whole group (`count` bundles) if they were empty."""
+    return sum(all(res.get(k, 0) >= v * count for k, v in bundle.items()) for res in totals.values())
+
+
+def describe_request(spec: LaunchSpec) -> str:
+    per = ", ".join(f"{k} {v:g}" for k, v in bundle_for(spec).items())
+    unit = "GPUs" if spec.uses_gpus else "ranks"
+    return (
+        f"{spec.nodes} node(s) x {spec.gpus_per_node} {unit}, each node one group of "
+        f"{spec.gpus_per_node} bundles of {{{per}}} (STRICT_PACK)"
+    )
+
+
+def describe_nodes() -> str:
+    """What each live node has, free and total, for the resource error."""
+    total = rayprivate.total_resources_per_node()
+    free = rayprivate.available_resources_per_node()
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
+    parts = []
+    for node_id, res in sorted(total.items(), key=lambda kv: ips.get(kv[0], "")):
+        avail = free.get(node_id, {})
+        shown = [f"{k} {avail.get(k, 0):g}/{res[k]:g} free" for k in ("GPU", "CPU") if k in res]
+        parts.append(f"{ips.get(node_id, node_id[:8])} {node_id[:8]}: {', '.join(shown) or 'no GPU/CPU'}")
+    return "; ".join(parts) or "no live nodes"
+
+
+def describe_lost(exclude: tuple[str, ...]) -> str:
+    """The nodes an earlier attempt lost, which placing leaves out, for the resource error (#46: a
+    relaunch below what it needs said 'lower --nodes' and never which node had gone)."""
+    if not exclude:
+        return ""
+    ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes()}
+    shown = ", ".join(f"{ips.get(node, '?')} (node id {node[:8]})" for node in exclude)
+    return f"; left out: the node(s) this job lost, {shown}"
+
+
+def nodes_that_could_fit(spec: LaunchSpec, exclude: tuple[str, ...] = ()) -> int:
+    """How many of the cluster's nodes (but `exclude`) could hold one of the launch's groups, empty."""
+    totals = {k: v for k, v in rayprivate.total_resources_per_node().items() if k not in exclude}
+    return nodes_that_fit(totals, bundle_for(spec), spec.gpus_per_node)
+
+
+def feasibility_problem(fit: int, needed: int) -> str | None:
+    """A message when the cluster as it stands (`fit` nodes could hold a group) could never hold the
+    `needed` groups, else None."""
+    if fit >= needed:
+        return None
+    return f"only {fit} node(s) of the cluster can hold one group"
+
+
+def groups_of_job(job: str) -> list[str]:
+    """Live placement groups that a launch named `job` creates (`job-node<i>`, `job-a<k>-node<i>`)."""
+    mine = re.compile(rf"^{re.escape(job)}(-a\d+)?-node\d+$")
+    return sorted(
+        g["name"]
+        for g in placement_group_table().values()
+        if mine.match(g["name"]) and g["state"] != "REMOVED"
+    )
+
+
+def groups_waiting(but: str) -> list[str]:
+    """Placement groups not yet placed (a launch waiting for room), but those named `but`..."""
+    return sorted(
+        g["name"]
+        for g in placement_group_table().values()
+        if g["state"] == "PENDING" and not g["name"].startswith(but)
+    )
+
+
+def check_name_free(job: str) -> None:
+    """A second launch under a running job's name would collide with its groups and actors."""
+    taken = groups_of_job(job)
+    if taken:
+        raise UsageError(
+            f"job name {job} is in use on this cluster (placement group {taken[0]} exists): choose another "
+            f"--job-name, or stop that job first (Ctrl-C its driver, or `megaray stop {job}` for a Ray job)"
+        )
+
+
+def create_groups(
+    spec: LaunchSpec, name: str | None = None, detached: bool = False, exclude: tuple[str, ...] = ()
+) -> list[PlacementGroup]:
+    """All groups are requested before any is waited on, so they are scheduled together. Each request
+    waits for the GCS's answer: they are sent REMOVERS at once (1,024 nodes one after another would
+    take a second or more at 1-2 ms a round trip)."""
+
+    def create(i: int) -> PlacementGroup:
+        return create_group(spec, f"{name or spec.job_name}-node{i}", list(exclude), detached=detached)
+
+    if spec.nodes <= 2:
+        return [create(i) for i in range(spec.nodes)]
+    workers = min(REMOVERS, spec.nodes)
+    with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="megaray-place") as pool:
+        return list(pool.map(create, range(spec.nodes)))
+
+
+def create_group(
+    spec: LaunchSpec, name: str, exclude_nodes: list[str] = (), detached: bool = False
+) -> PlacementGroup:
+    """One node's group: a bundle per rank, all on one node, none of `exclude_nodes` (Ray node ids)."""
+    bundle = bundle_for(spec)
+    selector = (
+        [{NODE_ID_LABEL: f"!in({','.join(exclude_nodes)})"}] * spec.gpus_per_node if exclude_nodes else None
+    )
+    return placement_group(
+        [dict(bundle) for _ in range(spec.gpus_per_node)],
+        strategy="STRICT_PACK",
+        name=name,
+        bundle_label_selector=selector,
+        lifetime="detached" if detached else None,
+    )
+
+
+def without_autoscaler(status: Mapping | None) -> bool | None:
+    """Whether Ray's autoscaler status (the head's monitor writes it) says no node can come by itself:
+    with no autoscaling config the monitor runs read-only and gives every node a type of its own,
+    `node_<node id>`. None when there is no status to tell (autoscaler v2, an old head)."""
+    mapping = ((status or {}).get("autoscaler_report") or {}).get("node_type_mapping")
+    if not mapping:
+        return None
+    return all(kind == f"node_{node_id}" for node_id, kind in mapping.items())
+
+
+def cluster_cannot_grow() -> bool:
+    import json
+
+    try:
+        raw = rayprivate.autoscaling_status()
+        return bool(without_autoscaler(json.loads(raw) if raw else None))
+    except Exception:  # no status, or one this Ray writes differently: assume it can grow
+        return False
+
+
+NO_AUTOSCALER = (
+    "or add a node that can hold a group (`ray start --address HEAD:PORT` on another machine): this "
+    "cluster has no autoscaler, so none comes by itself (or wait longer for one with --placement-timeout)"
+)
+
+
+REMOVERS = 16  # placement groups created, or removed, at once
+FIXED_SIZE_WAIT_S = 10.0  # on a cluster megaray started itself (no autoscaler, no other node to come)
+
+
+def wait_s(spec: LaunchSpec, fixed_size: bool) -> float:
+    """How long placing waits for room: --placement-timeout, at most FIXED_SIZE_WAIT_S on a cluster
+    that cannot grow (it frees room only when a job ends: waiting longer than the bundles of a
+    launch that just ended take to be freed only delays the error)."""
+    return min(spec.placement_timeout_s, FIXED_SIZE_WAIT_S) if fixed_size else spec.placement_timeout_s
+
+
+def place_groups(
+    spec: LaunchSpec, name: str, stop: StopSignal, fixed_size: bool, detached: bool = False,
+    exclude: tuple[str, ...] = (), settle_s: float | None = None,
+) -> list[PlacementGroup]:  # fmt: skip
+    """One group per node, each on a Ray node of its own, waited for up to --placement-timeout.
+
+    All groups are requested at once, so that they are scheduled together; Ray keeps no two
+    STRICT_PACK groups apart, so a group that landed on a node another group holds is placed again,
+    with the nodes of the others excluded by label (`ray.io/node-id`). `exclude`: nodes never to use
+    (found lost by megaray before Ray's health checks tell).
+
+    With `--nodes MIN:MAX` it asks for MAX groups (on a cluster that cannot grow, as many as its nodes
+    can hold) and keeps what is placed once `settle_s` has passed (default: the whole wait), at least
+    MIN: the groups not placed by then are removed.
+    """
+    wanted = spec.node_range
+    fit = nodes_that_could_fit(spec, exclude)
+    asked = min(wanted.max, max(fit, wanted.min)) if fixed_size else wanted.max
+    spec = dataclasses.replace(spec, nodes=asked)
+    problem = feasibility_problem(fit, wanted.min if wanted.elastic else asked)
+    if wanted.elastic and not problem and fit < asked:
+        wait = f"waiting up to {wait_s(spec, fixed_size):g}s for {asked}, then starting with as many as are"
+        how = f"{wait} placed" if settle_s is None else f"going on with those placed within {settle_s:g}s"
+        log.warning("only %d node(s) of the cluster can hold a group: %s (at least %d)", fit, how, wanted.min)
+    if problem and fixed_size:
+        raise resource_error(spec, 0, problem + describe_lost(exclude), describe_nodes(), can_grow=False)
+    fix = None
+    if problem and cluster_cannot_grow():
+        # No autoscaler will add a node; one started by hand, or a KubeRay replica still booting, can.
+        fix = NO_AUTOSCALER
+        cpu = "; without GPUs, --device cpu runs the ranks on CPUs (gloo)" if spec.uses_gpus else ""
+        log.warning(
+            "%s, and this cluster has no autoscaler: waiting up to %gs for a node started by hand (ray "
+            "start, Slurm, a KubeRay replica still booting); Ctrl-C stops the wait%s",
+            problem, spec.placement_timeout_s, cpu,
+        )  # fmt: skip
+    elif problem:
+        log.warning("%s; waiting up to %gs for more nodes", problem, spec.placement_timeout_s)
+    before = describe_nodes()  # what others left free, for the message if we time out
+    waits = wait_s(spec, fixed_size)
+    deadline = time.monotonic() + waits
+    settle = deadline if settle_s is None else min(deadline, time.monotonic() + settle_s)
+    groups = create_groups(spec, name, detached, exclude)
+    at_least = wanted.min if wanted.elastic else asked
+    try:
+        placed = _place_enough(spec, name, groups, at_least, settle, deadline, stop, detached, exclude)
+    except _NotPlaced as e:
+        remove_groups(groups)
+        why = f"not placed within {waits:g}s on {at_least} distinct nodes{describe_lost(exclude)}"
+        raise resource_error(
+            spec, e.placed, f"{problem}; {why}" if problem else why, before, can_grow=not fixed_size, fix=fix
+        ) from None
+    except BaseException:
+        remove_groups(groups)
+        raise
+    remove_groups([g for i, g in enumerate(groups) if i not in placed])
+    return [groups[i] for i in sorted(placed)]
+
+
+class _NotPlaced(Exception):
+    def __init__(self, placed: int):
+        self.placed = placed
+
+
+def _place_enough(
+    spec: LaunchSpec, name: str, groups: list[PlacementGroup], at_least: int, settle: float, deadline: float,
+    stop: StopSignal, detached: bool, exclude: tuple[str, ...],
+) -> set[int]:  # fmt: skip
+    """The indexes of the groups placed on distinct nodes: all of them, or at least `at_least` once
+    `settle` has passed; `_NotPlaced` at `deadline`. A group that lands on a node an earlier one holds
+    is placed again (`groups[i]` replaced), away from every node held."""
+    refs = [g.ready() for g in groups]
+    placed: set[int] = set()
+    while True:
+        pending = [i for i in range(len(groups)) if i not in placed]
+        now = time.monotonic()
+        enough = len(placed) >= at_least
+        if not pending or (enough and now >= settle):
+            return placed
+        if now >= deadline:
+            raise _NotPlaced(len(placed))
+        until = settle if enough else deadline
+        ready = set(wait_all([refs[i] for i in pending], max(0.0, min(until - now, 1.0)), stop))
+        newly = [i for i in pending if refs[i] in ready]
+        if not newly:
+            continue
+        order = sorted(placed) + newly
+        nodes = dict(zip(order, nodes_of([groups[i] for i in order]), strict=True))
+        held = {nodes[i] for i in placed}
+        kept, again = sort_out(held, [(i, nodes[i]) for i in newly])
+        placed.update(kept)
+        if again:
+            remove_groups([groups[i] for i in again])
+            away = [*held, *(nodes[i] for i in kept), *exclude]
+            for i in again:
+                groups[i] = create_group(spec, f"{name}-node{i}", exclude_nodes=away, detached=detached)
+                refs[i] = groups[i].ready()
+
+
+def nodes_of(groups: list[PlacementGroup]) -> list[str]:
+    """The node of each group's bundle 0, from one read of the GCS's table, not one call per group."""
+    if len(groups) == 1:
+        return [placement_group_table(groups[0])["bundles_to_node_id"][0]]
+    table = placement_group_table()
+    return [table[g.id.hex()]["bundles_to_node_id"][0] for g in groups]
+
+
+def sort_out(held: set[str], newly: list[tuple[int, str]]) -> tuple[list[int], list[int]]:
+    """Of groups just placed, (index, node) in order: those on a node no group holds (kept), and those
+    on a node held already, by an earlier group or one of these (to be placed again, together)."""
+    seen, kept, again = set(held), [], []
+    for i, node in newly:
+        (again if node in seen else kept).append(i)
+        seen.add(node)
+    return kept, again
+
+
+def resolve_nodes(groups: list[PlacementGroup]) -> list[NodeSlot]:
+    """The node of each group's bundle 0, from the GCS tables (no task needs to start)."""
+    nodes = {n["NodeID"]: n for n in ray.nodes()}
+    slots = []
+    for i, node_id in enumerate(nodes_of(groups)):
+        node = nodes[node_id]
+        slots.append(
+            NodeSlot(
+                group=i,
+                node_ip=node["NodeManagerAddress"],
+                node_id=node_id,
+                hostname=node.get("NodeManagerHostname", ""),
+            )
+        )
+    return slots
+
+
+def resource_error(
+    spec: LaunchSpec, placed: int, why: str, nodes: str, can_grow: bool, fix: str | None = None
+) -> ResourceError:
+    cpu = "; without GPUs, --device cpu runs the ranks on CPUs (gloo)" if spec.uses_gpus else ""
+    fix = (
+        (fix + cpu)
+        if fix
+        else (
+            "free or add nodes, or wait longer with --placement-timeout"
+            if can_grow
+            else "or attach to a larger cluster with --address (a local Ray, started for this run or by "
+            "`megaray up`, cannot grow: `megaray down`, then `megaray up` with the layout)"
+            + (
+                "; without one, --device cpu runs the ranks on CPUs (gloo), nodes simulated here"
+                if spec.uses_gpus
+                else ""
+            )
+        )
+    )
+    return ResourceError(
+        f"the cluster cannot fit {describe_request(spec)}: {why} ({placed} of {spec.nodes} groups placed). "
+        f"Cluster before this launch: {nodes}. Lower --nodes / --gpus-per-node / --cpus-per-rank, {fix}"
+    )
+
+
+def remove_groups(groups: list[PlacementGroup]) -> None:
+    """Each removal waits for the GCS's answer: many are sent at once (64 groups: 25-31 ms against
+    56-64 ms one after another, on one node; the gap grows with the GCS's distance)."""
+
+    def remove(g: PlacementGroup) -> None:
+        with contextlib.suppress(Exception):  # already removed, or the cluster is gone
+            remove_placement_group(g)
+
+    if len(groups) <= 1:
+        for g in groups:
+            remove(g)
+        return
+    with ThreadPoolExecutor(
+        max_workers=min(REMOVERS, len(groups)), thread_name_prefix="megaray-remove"
+    ) as pool:
+        list(pool.map(remove, groups))
