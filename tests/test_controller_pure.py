@@ -35,9 +35,12 @@ class FakeAttempt:
     """`script[state method] = exception` makes that method raise, or is what `poll` finds (a rank
     failure, a grow); the rest succeed."""
 
-    def __init__(self, number: int, spares, events: list, script: dict | None = None, growing: bool = False):
+    def __init__(
+        self, number: int, spares, events: list, script: dict | None = None, growing: bool = False,
+        avoid: frozenset[str] = frozenset(),
+    ):  # fmt: skip
         self.number, self.spares_in, self.events, self.script = number, spares, events, script or {}
-        self.growing = growing
+        self.growing, self.avoid = growing, avoid
         self.adopted = False
         self.torn_down = False
 
@@ -70,6 +73,11 @@ class FakeAttempt:
         self.events.append(("hand_over", self.number))
         return f"spares of attempt {self.number}"
 
+    @property
+    def lost_nodes(self) -> frozenset[str]:
+        """What it was given to avoid, unless scripted (nodes found lost, or one that answered again)."""
+        return self.script.get("lost_nodes", self.avoid)
+
     def teardown(self):
         assert not self.torn_down, "torn down twice"
         self.torn_down = True
@@ -83,8 +91,8 @@ def controller(
     """`made` collects the attempts made, in order."""
     clock = iter(range(1000))
 
-    def new_attempt(k, spares, growing):
-        attempt = FakeAttempt(k, spares, events, scripts.get(k), growing)
+    def new_attempt(p):
+        attempt = FakeAttempt(p.number, p.spares, events, scripts.get(p.number), p.growing, p.avoid)
         (made if made is not None else []).append(attempt)
         return attempt
 
@@ -132,7 +140,7 @@ def test_running_is_looked_at_until_the_look_finds_an_end_and_is_one_state_in_th
             self.looks += 1
             return AllReturned(()) if self.looks == 3 else StillRunning()
 
-    c = Controller(FailurePolicy(0), lambda k, s, g: RunsThreeLooks(k, s, events))
+    c = Controller(FailurePolicy(0), lambda p: RunsThreeLooks(p.number, p.spares, events))
     assert c.run() == "result of attempt 0" and c.last_attempt.looks == 3
     assert [s for s, _ in c.history] == [P, S, R, F, LaunchState.SUCCEEDED]
 
@@ -233,8 +241,8 @@ def test_a_failed_relaunch_placement_records_that_no_spares_were_taken():
     events: list = []
     scripts = {0: {"poll": failed()}, 1: {"place": ResourceError("gone")}}
 
-    def no_spares(k, spares, growing):
-        return FakeAttempt(k, None, events, scripts.get(k))  # the spares could not take over
+    def no_spares(p):
+        return FakeAttempt(p.number, None, events, scripts.get(p.number))  # the spares could not take over
 
     c = Controller(FailurePolicy(1), no_spares)
     with pytest.raises(ResourceError):
@@ -260,7 +268,8 @@ def test_sigterm_during_a_restarts_teardown_ends_the_launch_interrupted():
             super().teardown()
             raise Interrupted(signal.SIGTERM, "SIGTERM")
 
-    c = Controller(FailurePolicy(3), lambda k, s, g: StoppedInTeardown(k, s, events, {"poll": failed()}))
+    script = {"poll": failed()}
+    c = Controller(FailurePolicy(3), lambda p: StoppedInTeardown(p.number, p.spares, events, script))
     with pytest.raises(Interrupted):
         c.run()
     assert c.state is LaunchState.INTERRUPTED and events.count(("teardown", 0)) == 1
@@ -458,3 +467,19 @@ def test_growing_relaunches_without_counting_against_max_restarts():
     assert c.restarts[0].cause == "the cluster has room for 3 node(s)" and c.failed == 1
     # only the grow's relaunch waits for the nodes it saw room for (driver/gang/sources.py GROW_SETTLE_S)
     assert [a.growing for a in attempts] == [False, True, False]
+
+
+def test_the_nodes_found_lost_travel_with_the_states_to_each_next_placing():
+    """A failed attempt's lost nodes are kept off by the relaunch (`Placing.avoid`), a grow's relaunch
+    keeps off what its attempt still counts lost (one that answered again is taken off by it), and a
+    placing that fails to start a new attempt still knows what the last one found."""
+    events: list = []
+    attempts: list = []
+    grow = GrowTo(3, "the cluster has room for 3 node(s)")
+    scripts = {
+        0: {"poll": failed(), "lost_nodes": frozenset({"n1", "n2"})},
+        1: {"poll": grow, "lost_nodes": frozenset({"n2"})},  # n1 answered again while it ran
+    }
+    c = controller(1, scripts, events, made=attempts)
+    assert c.run() == "result of attempt 2"
+    assert [a.avoid for a in attempts] == [frozenset(), frozenset({"n1", "n2"}), frozenset({"n2"})]

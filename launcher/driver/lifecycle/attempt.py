@@ -66,11 +66,12 @@ class Attempt:
 
     def __init__(
         self, ctx: LaunchContext, number: int, spares_in: SparePool | None = None, *, growing: bool = False,
-        target: AttemptTarget | None = None,
+        target: AttemptTarget | None = None, avoid: frozenset[str] = frozenset(),
     ):  # fmt: skip
         """Attempt `number` of the launch `ctx`: on `spares_in` (the failed attempt's warm spares,
         handed over) when they can take over; `growing`: a relaunch on more nodes (--nodes
-        MIN:MAX), not after a failure; `target`: what it runs (driver/lifecycle/context.py)."""
+        MIN:MAX), not after a failure; `target`: what it runs (driver/lifecycle/context.py); `avoid`:
+        the nodes earlier attempts found lost, not placed on."""
         self.ctx, self.number, self.stop = ctx, number, ctx.stop
         target = target or AttemptTarget()
         known = target.known is not None
@@ -79,8 +80,9 @@ class Attempt:
         self.imports_first = target.imports_first
         self.grow: GrowWatch | None = None  # once placed below MAX nodes
         name = spec.job_name if number == 0 else f"{spec.job_name}-a{number}"
-        fixed, avoid = ctx.cluster.fixed_size, frozenset(ctx.lost_nodes)
-        ask = PlaceRequest(name, number, fixed, avoid, ctx.scaling, growing)
+        # kept off: a node that answers again is taken off (its GrowWatch), one found lost is added
+        self.avoid = set(avoid)
+        ask = PlaceRequest(name, number, ctx.cluster.fixed_size, frozenset(avoid), ctx.scaling, growing)
         self.gang = RankGang(spec, ctx.stop, ctx.profile, ask)
         self.spares_in = spares_in  # given by the failed attempt, until adopted or discarded
         self.spares_out: SparePool | None = None  # started for the next attempt
@@ -98,6 +100,11 @@ class Attempt:
         return self.gang.adopted
 
     @property
+    def lost_nodes(self) -> frozenset[str]:
+        """The nodes the next attempt keeps off (final once torn down)."""
+        return frozenset(self.avoid)
+
+    @property
     def timings(self) -> dict[str, float]:
         return self.gang.timings
 
@@ -110,7 +117,7 @@ class Attempt:
         self.spec = gang.spec  # with --nodes MIN:MAX, on as many nodes as it was placed on
         if self.ctx.scaling.can_grow(self.spec.nodes):
             held = {s.node_id for s in gang.slots}
-            self.grow = GrowWatch(self.spec, self.ctx.scaling, held, self.ctx.lost_nodes)
+            self.grow = GrowWatch(self.spec, self.ctx.scaling, held, self.avoid)
         self.relay = relay_for(self.ctx, self.spec, gang)
 
     def start(self) -> None:
@@ -242,7 +249,7 @@ class Attempt:
                 if late:
                     self.failure.amend([*self.failure.failures, *late])
         self.gang.teardown(keep_groups=self.handed_over)
-        self.ctx.lost_nodes |= self.gang.lost_nodes
+        self.avoid |= self.gang.lost_nodes
         if not self.succeeded and self.relay is not None and self.relay.sink is not None:
             self.gang.ends.last_words(self.failure)  # what the ranks printed last
         if self.spares_in is not None:  # given, but stopped before adopting them

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from ...core.elastic import ScalingPolicy
@@ -21,9 +21,9 @@ from .stop import StopSignal
 @dataclass
 class LaunchContext:
     """The launch's spec, cluster, EFA/NCCL profile, stop signal, run directory, progress view and
-    metrics; its scaling policy (core/elastic.py); the nodes found lost by any attempt, which the
-    next avoids (the one mutable part: each attempt adds those it finds, and a healed one is taken
-    off); and the target's TP, PP and CP at a given size, for the ranks' metric labels."""
+    metrics; its scaling policy (core/elastic.py); and the target's TP, PP and CP at a given size,
+    for the ranks' metric labels. The nodes found lost travel with the controller's states
+    (`Placing.avoid`), not here."""
 
     spec: LaunchSpec
     cluster: Cluster
@@ -33,7 +33,6 @@ class LaunchContext:
     progress: ProgressView
     metrics: JobMetrics
     scaling: ScalingPolicy
-    lost_nodes: set[str] = field(default_factory=set)
     parallel_dims: Callable[[LaunchSpec], ParallelDims | None] = lambda spec: None
 
 

@@ -35,9 +35,12 @@ REMOVED = "Every other rank was stopped and the placement groups were removed."
 
 
 class AttemptLike(Protocol):
-    """One run of every rank, a method per state; `adopted` once placed: it took over warm spares."""
+    """One run of every rank, a method per state; `adopted` once placed: it took over warm spares;
+    `lost_nodes` once torn down: the nodes the next attempt keeps off (those it was given, less any
+    that answered again, and those it found lost)."""
 
     adopted: bool
+    lost_nodes: frozenset[str]
 
     def place(self) -> None: ...
 
@@ -55,11 +58,13 @@ class AttemptLike(Protocol):
 @dataclass(frozen=True)
 class Placing:
     """Attempt `number` made and placed: on `spares` (the failed attempt's, handed over) when there
-    are some; `growing`: the relaunch of a grow, on the nodes that appeared."""
+    are some; `growing`: the relaunch of a grow, on the nodes that appeared; `avoid`: the nodes found
+    lost so far, left out of its placing."""
 
     number: int
     spares: Any = None
     growing: bool = False
+    avoid: frozenset[str] = frozenset()
     kind: ClassVar[LaunchState] = LaunchState.PLACING
 
 
@@ -85,6 +90,7 @@ class Restarting:
     restart: Restart
     spares: Any = None
     growing: bool = False
+    avoid: frozenset[str] = frozenset()
     kind: ClassVar[LaunchState] = LaunchState.RESTARTING
 
 
@@ -119,7 +125,7 @@ class Controller:
     def __init__(
         self,
         policy: FailurePolicy,
-        new_attempt: Callable[[int, Any, bool], AttemptLike],
+        new_attempt: Callable[[Placing], AttemptLike],
         *,
         placement_timeout_s: float = 0.0,
         min_nodes: int | None = None,
@@ -164,9 +170,9 @@ class Controller:
         """The attempt's method for this state; what it returns, or raises, says the next. Running,
         the attempt is looked at once a turn (core/poll.py) until what it finds moves the launch on."""
         match step:
-            case Placing(number, spares, growing):
+            case Placing(number) as placing:
                 self.number = number
-                self.attempt = self.last_attempt = self.new_attempt(number, spares, growing)
+                self.attempt = self.last_attempt = self.new_attempt(placing)
                 self.attempt.place()
                 return Starting()
             case Starting():
@@ -186,8 +192,8 @@ class Controller:
                 result = self.attempt.finish()
                 self._close()
                 return Succeeded(result)
-            case Restarting(restart, spares, growing):
-                return Placing(restart.attempt, spares, growing)
+            case Restarting(restart, spares, growing, avoid):
+                return Placing(restart.attempt, spares, growing, avoid)
         raise AssertionError(f"no step from {step}")
 
     def _move(self, step: Step) -> None:
@@ -223,7 +229,7 @@ class Controller:
             "restart %d of %d after: %s; relaunching every rank (%s)",
             self.failed, self.policy.max_restarts, failure, how,
         )  # fmt: skip
-        return Restarting(restart, spares)
+        return Restarting(restart, spares, avoid=self._avoid())
 
     def _grow(self, grow: GrowTo) -> Step:
         """Running below MAX nodes, the cluster has room for more: every rank is stopped and relaunched
@@ -231,7 +237,11 @@ class Controller:
         restart = self._restarted(Restart(self.number + 1, grow.why, self.clock(), kind=RestartKind.GROW))
         log.warning("%s; relaunching every rank on up to %d node(s)", grow.why, grow.nodes)
         self._close()
-        return Restarting(restart, growing=True)
+        return Restarting(restart, growing=True, avoid=self._avoid())
+
+    def _avoid(self) -> frozenset[str]:
+        """What the next attempt keeps off: what the last one made (torn down by now) says."""
+        return self.last_attempt.lost_nodes if self.last_attempt is not None else frozenset()
 
     def _restarted(self, restart: Restart) -> Restart:
         self.restarts.append(restart)

@@ -24,13 +24,12 @@ from ...core.target import Target
 from ..cluster import up
 from ..cluster.cluster import connect
 from ..gang import placement
-from ..gang.spares import SparePool
 from ..output.metrics import JobMetrics
 from ..output.progress_view import ProgressView
 from ..output.rundir import RunDir, runs_root
 from .attempt import Attempt
 from .context import AttemptTarget, LaunchContext
-from .controller import Controller
+from .controller import Controller, Placing
 from .registry import runner_for
 from .stop import EarlyInterrupt, StopSignal
 
@@ -142,14 +141,15 @@ def _run(
                 parallel_dims=lambda s: runner.parallel_dims(s, plan()),
             )  # fmt: skip
 
-            def new_attempt(k: int, spares: SparePool | None, growing: bool) -> Attempt:
+            def new_attempt(placing: Placing) -> Attempt:
                 # the first attempt's target once its ranks are started (they import meanwhile); a
                 # relaunch's resumes from what the first saved
-                if k == 0:
+                if placing.number == 0:
                     target = AttemptTarget(later=first_target, imports_first=verdict.in_background)
                 else:
                     target = AttemptTarget(known=runner.resume_target(first_target(), plan()))
-                return Attempt(ctx, k, spares, growing=growing, target=target)
+                return Attempt(ctx, placing.number, placing.spares, growing=placing.growing, target=target,
+                               avoid=placing.avoid)  # fmt: skip
 
             controller = Controller(
                 FailurePolicy(spec.max_restarts), new_attempt,
