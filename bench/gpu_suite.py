@@ -359,11 +359,15 @@ def _render_restart(r: dict[str, Any]) -> list[str]:
                 f"{_f(x.get('restart_s'), '.2f')} s",
                 str(x.get("resumed_at", "n/a")),
                 f"{_f(x.get('loss_before'), '.3f')} -> {_f(x.get('loss_after'), '.3f')}",
-                x.get("note", ""),
+                "; ".join(filter(None, [x.get("note", ""), _victim(x)])),
             )
         )
     out = ["", f"### 3. Restart from a bridge checkpoint: {r.get('what', '')}", "", *rows]
     return out + (["", f"Failed: {r['error']}"] if r.get("error") else [])
+
+
+def _victim(x: dict[str, Any]) -> str:
+    return f"rank 0's process after the kill: {x['victim_exit']}" if x.get("victim_exit") else ""
 
 
 def _render_doctor(r: dict[str, Any]) -> list[str]:
@@ -737,8 +741,12 @@ def restart_once(suite: Suite, mode: str, ckpt: Path) -> dict[str, Any]:
         holders = _gpu_pids()
         result["gpu_context_pids"] = holders
         before = _iterations(s)
+        children = _children(victim)
+        phases: list[tuple[float, str]] = []
+        sampler = threading.Thread(target=lambda: phases.extend(exit_phases(victim)), daemon=True)
         killed_at = time.time() - s.t0
         os.kill(victim, signal.SIGKILL)
+        sampler.start()
         if not s.wait_for(lambda s: resumed(s.lines, killed_at) is not None, min(300, suite.left())):
             return {**result, "note": "no iteration after resuming"}
         first = resumed(s.lines, killed_at)
@@ -763,12 +771,70 @@ def restart_once(suite: Suite, mode: str, ckpt: Path) -> dict[str, Any]:
             steps = _after_kill(s.lines, killed_at)
             if steps:
                 result["note"] = "; ".join(filter(None, [result.get("note"), steps]))
+        sampler.join(EXIT_WATCH_S + 1)
+        how = ", ".join(f"{what} at +{t:.2f} s" for t, what in phases)
+        result["victim_exit"] = f"{how}; {len(children)} child process(es) at the kill"
         return result
     finally:
         s.stop(signal.SIGINT if mode != "torchrun" else signal.SIGTERM)
         s.reader.join(10)
         result["memory"] = parse_run(s.lines)
         shutil.rmtree(ckpt, ignore_errors=True)
+
+
+EXIT_WATCH_S = 15.0
+
+
+def exit_phase(stat_text: str | None, status_text: str | None) -> str:
+    """Where a killed process is in its exit, read as megaray's node watch reads /proc
+    (core/deaths.py): a SIGKILL still pending, exiting (PF_EXITING), a zombie, or gone."""
+    if stat_text is None:
+        return "gone"
+    fields = stat_text[stat_text.rindex(")") + 2 :].split()
+    state, flags = fields[0], int(fields[6])
+    if state in ("Z", "X"):
+        return "zombie"
+    if flags & 0x4:
+        return f"exiting ({state})"
+    for line in (status_text or "").splitlines():
+        key, _, mask = line.partition(":")
+        if key in ("SigPnd", "ShdPnd") and int(mask.strip() or "0", 16) & (1 << (signal.SIGKILL - 1)):
+            return f"SIGKILL pending ({state})"
+    return f"running ({state})"
+
+
+def _proc(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError:
+        return None
+
+
+def exit_phases(pid: int, seconds: float = EXIT_WATCH_S, every_s: float = 0.01) -> list[tuple[float, str]]:
+    """Each change of `exit_phase` for `pid`, in seconds from the call, until it has exited: why the
+    driver learned of a kill when it did (the watch sees the exit begin; Ray reports the process
+    once it is gone)."""
+    t0, last, out = time.monotonic(), None, []
+    while time.monotonic() - t0 < seconds:
+        what = exit_phase(_proc(f"/proc/{pid}/stat"), _proc(f"/proc/{pid}/status"))
+        if what != last:
+            out.append((time.monotonic() - t0, what))
+            last = what
+        if what in ("zombie", "gone"):  # exited: its parent reaps it
+            break
+        time.sleep(every_s)
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    """The processes `pid` started (a checkpoint save's writers, say) when it is killed."""
+    import psutil
+
+    try:
+        return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+    except psutil.Error:
+        return []
 
 
 AFTER_KILL = (

@@ -274,3 +274,20 @@ def test_the_items_that_need_no_gpu_run_end_to_end_on_cpu(tmp_path):
     assert results_md.read_text().endswith(section)
     with tarfile.open(out / "logs.tar.gz") as tar:
         assert "logs/doctor.log" in tar.getnames()
+
+
+def test_a_killed_process_s_way_out_is_read_as_the_node_watch_reads_it():
+    """The restart item records how rank 0's process exits after the kill (a SIGKILL pending, exiting,
+    a zombie, gone): on a GPU that takes seconds, and says why the driver learned of it when it did."""
+    stat = "893 (python3 (x)) {state} 1 1 1 0 -1 {flags} " + " ".join(["0"] * 43)
+    pending = "Name:\tpython3\nSigPnd:\t0000000000000100\nShdPnd:\t0000000000000000\n"
+    assert gpu_suite.exit_phase(stat.format(state="D", flags=0), pending) == "SIGKILL pending (D)"
+    assert gpu_suite.exit_phase(stat.format(state="R", flags=0x4), "") == "exiting (R)"
+    assert gpu_suite.exit_phase(stat.format(state="Z", flags=0x4), "") == "zombie"
+    assert gpu_suite.exit_phase(stat.format(state="S", flags=0), "SigPnd:\t0\n") == "running (S)"
+    assert gpu_suite.exit_phase(None, None) == "gone"
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    child.kill()
+    phases = gpu_suite.exit_phases(child.pid, seconds=5)
+    child.wait()
+    assert phases and phases[-1][1] in ("zombie", "gone")
