@@ -10,7 +10,9 @@ worker).
 from __future__ import annotations
 
 import re
+import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -275,17 +277,26 @@ def test_a_warm_pool_on_the_cluster_is_taken_by_a_launch_there_refilled_and_give
     other_said = tmp_path / "rs-other.out"
     other = driver(cluster, ["--job-name", "rs-other", *FULL, "--runs-dir", str(tmp_path / "runs"),
                              script(tmp_path, "y.py", GLOO)], log=other_said)  # fmt: skip
-    groups = "list_placement_groups(address=URL, limit=10000)"
-    pending = f"result = [g.state for g in {groups} if g.name == 'rs-other-node0']"
-    while cluster.query(pending) != ["PENDING"]:  # it waits for room: the first launch may end
-        assert other.poll() is None and time.monotonic() < deadline, other_said.read_text()[-3000:]
-        time.sleep(0.5)
-    release.touch()
-    assert holder.wait(timeout=120) == 0, said.read_text()[-3000:]
-    out2 = said.read_text()
-    assert "taking the warm pool" in out2, out2[-3000:]
-    assert "a launch is waiting for room (placement group rs-other-node" in out2, out2[-3000:]
-    assert other.wait(timeout=120) == 0, other_said.read_text()[-3000:]
+    try:
+        groups = "list_placement_groups(address=URL, limit=10000)"
+        pending = f"result = [g.state for g in {groups} if g.name == 'rs-other-node0']"
+        while cluster.query(pending) != ["PENDING"]:  # it waits for room: the first launch may end
+            assert other.poll() is None and time.monotonic() < deadline, other_said.read_text()[-3000:]
+            time.sleep(0.5)
+        release.touch()
+        assert holder.wait(timeout=120) == 0, said.read_text()[-3000:]
+        out2 = said.read_text()
+        assert "taking the warm pool" in out2, out2[-3000:]
+        both = f"{out2[-3000:]}\n--- rs-other:\n{other_said.read_text()[-3000:]}"
+        assert "a launch is waiting for room (placement group rs-other-node" in out2, both
+        assert other.wait(timeout=120) == 0, other_said.read_text()[-3000:]
+    finally:  # a failure here must not leave the cluster full for the module's next tests
+        for proc in (holder, other):
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                proc.wait(timeout=60)
+        if sys.exc_info()[0] is not None:
+            megaray(cluster, "down", "--address", gcs)
     text = other_said.read_text()
     assert "the warm pool is in use by job rs-pool2: this launch starts cold" in text, text[-3000:]
     listed = megaray(cluster, "list", "--address", gcs)  # refilled at the end of the launch
