@@ -39,6 +39,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from launcher.core.deaths import PF_EXITING, SIGKILL_PENDING
+
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 ITEMS = ("parity", "cold", "warm", "arch", "restart", "doctor", "overhead")
@@ -787,18 +789,19 @@ EXIT_WATCH_S = 15.0
 
 def exit_phase(stat_text: str | None, status_text: str | None) -> str:
     """Where a killed process is in its exit, read as megaray's node watch reads /proc
-    (core/deaths.py): a SIGKILL still pending, exiting (PF_EXITING), a zombie, or gone."""
+    (core/deaths.py `process_end`, whose flags it uses): a SIGKILL still pending, exiting
+    (PF_EXITING), a zombie, or gone; the watch only needs to know that it is ending."""
     if stat_text is None:
         return "gone"
     fields = stat_text[stat_text.rindex(")") + 2 :].split()
     state, flags = fields[0], int(fields[6])
     if state in ("Z", "X"):
         return "zombie"
-    if flags & 0x4:
+    if flags & PF_EXITING:
         return f"exiting ({state})"
     for line in (status_text or "").splitlines():
         key, _, mask = line.partition(":")
-        if key in ("SigPnd", "ShdPnd") and int(mask.strip() or "0", 16) & (1 << (signal.SIGKILL - 1)):
+        if key in ("SigPnd", "ShdPnd") and int(mask.strip() or "0", 16) & SIGKILL_PENDING:
             return f"SIGKILL pending ({state})"
     return f"running ({state})"
 
