@@ -99,6 +99,49 @@ def read_ranks(out: Path, name: str, world: int) -> list[dict]:
     return [json.loads((out / f"{name}-rank{r}.json").read_text()) for r in range(world)]
 
 
+class _OneNode:
+    """The local Ray of `one_node`, while it is up in this process."""
+
+    up = False
+
+
+@pytest.fixture
+def one_node():
+    """One Ray node started in this process (4 CPUs, 2 GPUs declared), for the modules that call
+    `main()` in-process (`launch`); with its dashboard, which the state API that `leftovers` asks
+    needs. Started by the first test that asks for it and kept while the next test on this worker
+    asks for it too (two modules in a row), stopped before one that does not (pytest_runtest_teardown).
+    Entrypoints resolve from the working directory, as torchrun's scripts do."""
+    import ray
+
+    os.chdir(REPO)
+    if not _OneNode.up:
+        ray.init(address="local", num_cpus=4, num_gpus=2, namespace="megaray", include_dashboard=True,
+                 dashboard_port=free_port())  # fmt: skip
+        _OneNode.up = True
+    yield
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    result = yield  # the test's own fixtures first
+    if _OneNode.up and (nextitem is None or "one_node" not in nextitem.fixturenames):
+        import ray
+
+        ray.shutdown()
+        _OneNode.up = False
+    return result
+
+
+def launch(job: str, *args: str, out: Path | None = None) -> int:
+    """`main()` in this process, as `megaray --job-name JOB ARGS` (on `one_node`); `out`, where the
+    tests' targets write what each rank saw (tests/targets.py)."""
+    from launcher.cli import main
+
+    env = ["--env", f"MEGARAY_TEST_OUT={out}"] if out else []
+    return main(["--job-name", job, "--placement-timeout", "20", *env, *args])
+
+
 @pytest.fixture
 def out(tmp_path) -> Path:
     return tmp_path / "out"
@@ -120,6 +163,7 @@ KINDS = {
     "test_multi_node": ("cluster", "slow"),
     "test_netns": ("netns", "slow"),
     "test_one_node": ("ray",),
+    "test_rank_failures": ("ray",),
     "test_process": ("ray", "slow"),
     "test_ray_start": ("cluster", "slow"),
     "test_restarts": ("cluster", "slow"),
@@ -136,12 +180,13 @@ KINDS = {
 # clusters take free ports), then modules whose Rays start no client server (a Cluster head, a local
 # ray.init: their job agent goes without its port, which they do not use) until it is done: not
 # `megaray up` (test_up, test_bench), which starts `ray start --head` with the defaults.
-FIRST = ("test_netns", "test_ray_start", "test_restarts", "test_one_node")
+# Without the namespace tests (the fast loop), longest first alone.
+FIRST = ("test_netns", "test_ray_start", "test_restarts", "test_one_node", "test_rank_failures")
 SECONDS = {
     "test_restarts": 326, "test_netns": 242, "test_up": 219, "test_bench": 186, "test_ray_start": 182,
-    "test_one_node": 171, "test_metrics": 131, "test_multi_node": 125, "test_megatron": 92,
-    "test_process": 80, "test_submit": 76, "test_demo": 65, "test_gpu_suite": 37, "test_addresses": 35,
-    "test_examples": 21,
+    "test_rank_failures": 100, "test_one_node": 70, "test_metrics": 131, "test_multi_node": 125,
+    "test_megatron": 92, "test_process": 80, "test_submit": 76, "test_demo": 65, "test_gpu_suite": 37,
+    "test_addresses": 35, "test_examples": 21,
 }  # fmt: skip
 
 
@@ -149,12 +194,17 @@ def _module(item) -> str:
     return item.module.__name__.rsplit(".", 1)[-1]
 
 
+@pytest.hookimpl(wrapper=True)
 def pytest_collection_modifyitems(config, items):
+    """The kinds first, for `-m` to select by; the order once selected."""
     for item in items:
         for kind in KINDS.get(_module(item), ("pure",)):
             item.add_marker(kind)
-    first = {module: i for i, module in enumerate(FIRST)}
+    result = yield
+    modules = {_module(item) for item in items}
+    first = {module: i for i, module in enumerate(FIRST)} if "test_netns" in modules else {}
     items.sort(key=lambda item: (first.get(_module(item), len(FIRST)), -SECONDS.get(_module(item), 0)))
+    return result
 
 
 # Tests that time ranks against each other (a straggler named, a step-time ratio, a machine that is

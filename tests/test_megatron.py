@@ -283,6 +283,7 @@ def test_check_with_a_node_range_accepts_the_counts_the_layout_fits(capsys):
     assert main(["--check", "--recipe", "deepseek_v2_lite", "--nodes", "3:3", "--gpus-per-node", "8"]) == 2
 
 
+@pytest.mark.slow  # a local Ray and the preflight's own process importing bridge: ~50 CPU-seconds
 def test_a_layout_that_does_not_fit_exits_2_and_leaves_nothing(capsys, tmp_path):
     # the preflight runs beside connecting and placing (megatron/preflight_process.py): its refusal is
     # the error told, even where placing failed first (no GPUs here), and no run directory is left
@@ -329,6 +330,7 @@ def test_a_bridge_recipe_by_name_runs_the_preflight_and_fits_its_own_layout(caps
     )
 
 
+@pytest.mark.slow  # a local Ray and the preflight's own process importing bridge: ~50 CPU-seconds
 def test_llama3_8b_on_one_gpu_is_refused_for_memory_with_the_numbers(capsys):
     import ray
 
