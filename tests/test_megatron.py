@@ -167,6 +167,7 @@ def test_relaunches_resume_from_the_recipe_checkpoints_and_nccl_outlasts_the_han
     assert align_timeouts(short, plan) == short.target  # 10 minutes already outlast a minute
 
 
+@pytest.mark.slow  # builds gpt_small's config four times: ~12 s of the fast loop
 def test_a_config_built_ahead_on_a_rank_is_taken_with_the_overrides_the_go_adds(tmp_path):
     """A rank (or a warm spare) builds its recipe's config while it waits for the go; the program
     takes it, with what the go added (a collective timeout, a relaunch's checkpoint.load) applied,
