@@ -4,6 +4,7 @@ clusters have it by default. Each is stopped by its pid, never with `ray stop`."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -22,6 +23,13 @@ from launcher.core.rankenv import DRAIN_VAR
 from .conftest import free_port
 
 BIN = os.path.dirname(sys.executable)
+# What `ray start` says when its raylet did not register with the GCS within Ray's fixed 30 s.
+RAYLET_TIMED_OUT = "The current node timed out during startup"
+
+
+class _StartTimedOut(RuntimeError):
+    """A worker's `ray start` ended on RAYLET_TIMED_OUT: the harness starts it again."""
+
 
 # `RayStartCluster.query`'s process: a line of JSON (the code) in, a line of JSON (its `result`, or the
 # error) out, for as long as the cluster runs.
@@ -119,17 +127,31 @@ result = [actors, groups]
         return proc
 
     def add_worker(self, num_cpus: int, num_gpus: int = 0) -> subprocess.Popen:
-        """One more node; returns once the head counts it."""
-        before = self.nodes_alive()
-        proc = self._start(
-            f"--address {self.gcs} --num-cpus {num_cpus} --num-gpus {num_gpus} "
-            f"--dashboard-agent-listen-port {free_port()}",
-            f"w{len(self.procs)}",
-        )
-        self._wait(lambda: self.nodes_alive() > before, proc, f"w{len(self.procs) - 1}")
-        return proc
+        """One more node; returns once the head counts it. A `ray start` that gave up on its own raylet
+        (Ray waits a fixed 30 s for it to register with the GCS: a CI run beside a busy module took
+        longer) is started again, up to twice, once what it started (its session's processes) is gone."""
+        for attempt in range(3):
+            before, name = self.nodes_alive(), f"w{len(self.procs)}" + (f"-again{attempt}" if attempt else "")
+            proc = self._start(
+                f"--address {self.gcs} --num-cpus {num_cpus} --num-gpus {num_gpus} "
+                f"--dashboard-agent-listen-port {free_port()}",
+                name,
+            )
+            try:
+                self._wait(lambda n=before: self.nodes_alive() > n, proc, name, again=attempt < 2)
+                return proc
+            except _StartTimedOut:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signal.SIGKILL)  # the session `ray start` began (start_new_session)
+                self.procs.remove(proc)
+                deadline = time.monotonic() + 60  # a raylet that registered all the same, counted dead
+                while self.nodes_alive() > before and time.monotonic() < deadline:
+                    time.sleep(0.5)
+        raise AssertionError("unreachable: the last attempt raises")
 
-    def _wait(self, ready, proc: subprocess.Popen, name: str) -> None:
+    def _wait(self, ready, proc: subprocess.Popen, name: str, again: bool = False) -> None:
+        """Until `ready()`; the cluster stopped and the node's log raised if `ray start` ends first or
+        after 120 s, unless `again` and it ended on Ray's raylet start-up timeout (`_StartTimedOut`)."""
         deadline = time.monotonic() + 120
         while True:
             try:
@@ -138,10 +160,11 @@ result = [actors, groups]
             except AssertionError:
                 pass
             if proc.poll() is not None or time.monotonic() > deadline:
+                said = (self.tmp / f"{name}.log").read_text()
+                if again and proc.poll() is not None and RAYLET_TIMED_OUT in said:
+                    raise _StartTimedOut(name)
                 self.stop()
-                raise RuntimeError(
-                    f"ray start ({name}) did not come up:\n" + (self.tmp / f"{name}.log").read_text()[-3000:]
-                )
+                raise RuntimeError(f"ray start ({name}) did not come up:\n" + said[-3000:])
             time.sleep(0.3)
 
     @staticmethod
