@@ -609,7 +609,7 @@ def item_warm(suite: Suite, results: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def item_cold(suite: Suite, rounds: int) -> dict[str, Any]:
+def item_cold(suite: Suite, rounds: int, modes: tuple[str, ...] = COLD_MODES) -> dict[str, Any]:
     """`gpt_small` to its first iteration, torchrun and megaray alternately first (`cold_order`), in
     `rounds` rounds per mode: megaray starting its own Ray, then attached to one started here (as a
     cluster's users run it). Nothing is imported ahead in either."""
@@ -620,7 +620,7 @@ def item_cold(suite: Suite, rounds: int) -> dict[str, Any]:
         "what": f"`gpt_small` ({' '.join(COLD[:2])}), from the command to iteration 1, {rounds} round(s) per "
         "mode, torchrun and megaray taking turns to go first"
     }
-    for mode in COLD_MODES:
+    for mode in modes:
         runs: list[dict[str, Any]] = []
         with contextlib.ExitStack() as stack:
             extra: list[str] = []
@@ -946,6 +946,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--control-layouts", nargs="*", default=["8x8"])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--cold-rounds", type=int, default=2, help="of the cold item: rounds per mode")
+    p.add_argument("--cold-modes", default=",".join(COLD_MODES), help="of the cold item: a comma-separated "
+                   "subset of " + ",".join(COLD_MODES))  # fmt: skip
     p.add_argument("--restart-modes", default=",".join(RESTART_MODES), help="of the restart item: a comma-"
                    "separated subset of " + ",".join(RESTART_MODES))  # fmt: skip
     args = p.parse_args(argv)
@@ -953,6 +955,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = sorted(set(args.items) - set(ITEMS))
     if unknown:
         p.error(f"--only: unknown item(s) {', '.join(unknown)}; choose from {', '.join(ITEMS)}")
+    if bad := sorted(set(args.cold_modes.split(",")) - set(COLD_MODES)):
+        p.error(f"--cold-modes: unknown mode(s) {', '.join(bad)}; choose from {', '.join(COLD_MODES)}")
     return args
 
 
@@ -972,7 +976,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"environment: {json.dumps(results['env'])}", flush=True)
     runners = {
         "parity": lambda: item_parity(suite),
-        "cold": lambda: item_cold(suite, args.cold_rounds),
+        "cold": lambda: item_cold(suite, args.cold_rounds, tuple(args.cold_modes.split(","))),
         "warm": lambda: item_warm(suite, results),
         "arch": lambda: item_arch(suite),
         "restart": lambda: item_restart(suite, tuple(args.restart_modes.split(","))),

@@ -121,7 +121,7 @@ def connect(spec: LaunchSpec, *, exits_after: bool = False) -> Iterator[Cluster]
             # the exact launch a cluster will get, its nodes simulated here: NODE_RANK, GROUP_RANK and
             # cross-node collectives over gloo can be tried on a laptop
             attached = False
-            with node_environment():
+            with node_environment(), rayprivate.api_server_beside_raylet():
                 sim = _simulate(spec)
             _init(address=sim.address, log_to_driver=streams)
             cluster = Cluster(address=sim.address, fixed_size=True)
@@ -136,7 +136,7 @@ def connect(spec: LaunchSpec, *, exits_after: bool = False) -> Iterator[Cluster]
             logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(
                 logging.ERROR
             )
-            with node_environment():
+            with node_environment(), rayprivate.api_server_beside_raylet():
                 _init(address="local", include_dashboard=False, num_cpus=cpus, log_to_driver=streams)
             cluster = Cluster(address=ray.get_runtime_context().gcs_address, fixed_size=True)
         quiet_raylet(not streams)
