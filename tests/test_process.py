@@ -12,6 +12,7 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
 from pathlib import Path
@@ -312,29 +313,52 @@ time.sleep(600)
 """
 
 
-def outlived(tmp_path: Path, *args: str, term_once: Path | None = None) -> tuple[dict, str]:
+def outlived(
+    tmp_path: Path, *args: str, term_once: Path | None = None, python: str = sys.executable
+) -> tuple[dict, str]:
     """megaray run by tests/outlived.py: ({"rc", "left": what outlived it}, its stderr)."""
     wrap = [sys.executable, str(OUTLIVED), *(("--term-once", str(term_once)) if term_once else ()), "--"]
-    megaray = [sys.executable, str(REPO / "main.py"), "--runs-dir", str(tmp_path / "runs"), *args]
+    megaray = [python, str(REPO / "main.py"), "--runs-dir", str(tmp_path / "runs"), *args]
     p = subprocess.run([*wrap, *megaray], cwd=tmp_path, env=base_env(tmp_path), capture_output=True,
                        text=True, timeout=240, stdin=subprocess.DEVNULL)  # fmt: skip
     return json.loads(p.stdout.strip().splitlines()[-1]), p.stderr
+
+
+def python_without(tmp_path: Path, *hidden: str) -> str:
+    """A Python with this one's installed packages but those whose names start with `hidden`: a
+    venv whose site-packages links to every other entry of ours (the editable megaray included)."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=60)
+    python = str(venv / "bin" / "python")
+    where = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    found = subprocess.run([python, "-c", where], capture_output=True, text=True, check=True)
+    site = Path(found.stdout.strip())
+    for entry in Path(sysconfig.get_paths()["purelib"]).iterdir():
+        if not entry.name.startswith(hidden):
+            (site / entry.name).symlink_to(entry)
+    return python
 
 
 def test_a_ray_started_for_the_launch_is_stopped_with_every_process_it_started(tmp_path):
     """#45: megaray stops the Ray it started for a launch (its own, or simulated nodes) without
     waiting a second for Ray's autoscaler monitor, and SIGTERM ends it as soon as its ranks are gone;
     whatever the ending, no process of that Ray outlives the command (its raylet's agents, which a
-    raylet killed without its stop would leave running, included)."""
+    raylet killed without its stop would leave running, included).
+
+    #44: both run on an install with aiohttp but not aiohttp_cors, as a GPU image had it: Ray takes it
+    for a minimal one and starts its agents with `--minimal`. megaray starts that Ray's raylet while its
+    API server comes up; both used to ask whether the install was minimal at once, the raylet got the
+    wrong answer, and its agent died (the node "timed out during startup", every launch there)."""
+    python = python_without(tmp_path, "aiohttp_cors")
     script = tmp_path / "runs_until_stopped.py"
     script.write_text(RUNS_UNTIL_STOPPED)
     out = tmp_path / "out"
     out.mkdir()
     ended, err = outlived(tmp_path, "--device", "cpu", "--gpus-per-node", "2", str(script), str(out),
-                          term_once=out / "running-1")  # fmt: skip
+                          term_once=out / "running-1", python=python)  # fmt: skip
     assert ended == {"rc": 143, "left": []}, err[-3000:]
     assert "starting a local Ray for this run" in err and "interrupted by SIGTERM" in err, err[-3000:]
     two_nodes = ("--device", "cpu", "--nodes", "2", "--gpus-per-node", "1")  # simulated, a program to its end
-    ended, err = outlived(tmp_path, *two_nodes, str(PROBE), str(out))
+    ended, err = outlived(tmp_path, *two_nodes, str(PROBE), str(out), python=python)
     assert ended == {"rc": 0, "left": []}, err[-3000:]
     assert "simulating 2 node(s)" in err, err[-3000:]

@@ -38,6 +38,7 @@ def api_server_beside_raylet() -> Iterator[None]:
     these methods, Ray starts as before."""
     try:
         from ray._private.node import Node
+        from ray._private.utils import get_dashboard_dependency_error
     except ImportError:  # pragma: no cover - a Ray without it starts as it always did
         yield
         return
@@ -45,6 +46,13 @@ def api_server_beside_raylet() -> Iterator[None]:
     starting: dict[int, tuple[threading.Thread, list[BaseException]]] = {}
 
     def start_api_server(node: Any, **kwargs: Any) -> None:
+        # Ray decides whether its install is minimal (no dashboard modules) by importing them: once
+        # for the API server, once for the raylet's agent command. Asked in two threads at once, the
+        # second import can find the first's module half made and take the install for a full one;
+        # the agent, started without `--minimal`, dies on its first missing import and the raylet
+        # never registers (seen on a GPU node with aiohttp but not aiohttp_cors). Asked here first,
+        # both later answers are the same.
+        get_dashboard_dependency_error()
         failed: list[BaseException] = []
 
         def start() -> None:
