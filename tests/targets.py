@@ -100,6 +100,28 @@ def wait_forever():
     time.sleep(600)
 
 
+def wait_forever_with_a_child():
+    """As a rank with DataLoader workers: rank 1 forks a child, which holds the rank's sockets (Ray's
+    own among them) until its parent is gone and for CHILD_HOLDS_S after, then says so and exits; Ray
+    learns of the rank's death only when the child lets go. Every rank reports its pid (and rank 1 its
+    child's)."""
+    if os.environ["RANK"] == "1":
+        parent = os.getpid()
+        child = os.fork()
+        if child == 0:
+            while os.getppid() == parent:
+                time.sleep(0.05)
+            time.sleep(CHILD_HOLDS_S)
+            _write("let-go", {"pid": os.getpid()})
+            os._exit(0)
+        _write("child", {"pid": child})
+    wait_forever()
+
+
+# How long the child of `wait_forever_with_a_child` holds its dead parent's sockets.
+CHILD_HOLDS_S = 60.0
+
+
 def save_on_sigterm():
     """As a program that saves a checkpoint when preempted: SIGTERM takes it 2 s to save, then exit."""
     import signal

@@ -35,10 +35,18 @@ class ProcessEnd:
     @property
     def failed(self) -> bool:
         """Whether the node saw a failure: a non-zero exit or a signal. Not a clean exit, and not a
-        process found already gone (status unknown: Ray's raylet, its parent, reaped it before the
-        look, as it often does on a loaded machine): that one is left to Ray's report of the death,
-        which tells an os._exit(0) by the rank's exit mark (driver/supervision/rank_ends.py)."""
+        process that vanished (status unknown)."""
         return self.status is not None and not self.clean
+
+    @property
+    def vanished(self) -> bool:
+        """Seen running, then gone before a look caught it exiting: Ray's raylet, its parent, reaps a
+        killed process within milliseconds. Its end is the rank's failure unless its exit mark says
+        os._exit(0) (driver/supervision/rank_ends.py). Not left to Ray's report: Ray learns of a
+        worker's death when its socket to the raylet closes, and children the rank forked hold it
+        open; torch's DataLoader workers look for their parent every 5 s (a SIGKILL on an H100 was
+        reported by Ray 5.0 s later, the rank a zombie at once)."""
+        return self.status is None
 
     @property
     def exit_code(self) -> int | None:

@@ -64,9 +64,9 @@ class EndsWatch:
             self.watches[self.forwarders[node].watch_ends.remote(pids)] = node
 
     def ended(self) -> list[tuple[RankHandle, ProcessEnd]]:
-        """The ranks found failing since the last call, never waiting; one that exited with code 0
-        (os._exit(0)), or was found already gone, is left to Ray's report of it, and its node's other
-        ranks are watched on."""
+        """The ranks found ending since the last call, never waiting: failing, or vanished (whose exit
+        mark the caller reads); one that exited with code 0 (os._exit(0)) is left to Ray's report of
+        it. Its node's other ranks are watched on."""
         if not self.watches:
             return []
         done, _ = ray.wait(list(self.watches), num_returns=len(self.watches), timeout=0)
@@ -78,7 +78,7 @@ class EndsWatch:
             except ray.exceptions.RayError:  # the node's forwarder is gone: with its node, or alone
                 self.forwarder_gone.setdefault(node, time.monotonic())
                 continue
-            out += [(by_pid[e.pid], e) for e in ends if e.failed]
+            out += [(by_pid[e.pid], e) for e in ends if e.failed or e.vanished]
             gone = {e.pid for e in ends}
             self._watch(node, [h.report.pid for h in self.handles if h.report.node_id == node
                                and h.report.pid not in gone])  # fmt: skip

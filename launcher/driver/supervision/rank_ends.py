@@ -158,6 +158,8 @@ class RankEnds:
         ended, at = self.ends.ended(), time.time()
         failures = self.ends.forwarders_died(at, self._node_gone)
         for h, e in ended:
+            if e.vanished and self._exited_cleanly(h):  # os._exit(0): Ray's report tells it (`outcome`)
+                continue
             if self._node_gone(h):  # its raylet died, and its workers exit with it (code 1)
                 summary, code = self._lost_summary(h.report.node_id, "its raylet no longer answers"), None
             else:
