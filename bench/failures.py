@@ -36,6 +36,12 @@ import torch, torch.distributed as dist
 from launcher import report
 dist.init_process_group("gloo")
 open(os.path.join(sys.argv[1], f"pid-{dist.get_rank()}"), "w").write(str(os.getpid()))
+for _ in range(int(sys.argv[2]) if len(sys.argv) > 2 else 0):  # --children: as DataLoader workers
+    if os.fork() == 0:  # they hold the rank's sockets, and look for their parent every 5 s as torch's do
+        parent = os.getppid()
+        while os.getppid() == parent:
+            time.sleep(5.0)
+        os._exit(0)
 step = 0
 while True:
     t = torch.ones(1)
@@ -56,6 +62,7 @@ from launcher.megatron.tiny_gpt import train
 train(**parse_options(sys.argv[2:]))
 """
 RESTART_MODES = ("warm spares", "cold", "torchrun")
+CHILDREN = ["0"]  # --children: processes each loop rank forks (set by main)
 # The relaunched trainer's first step: the dry run resumes, then saves after its first step.
 FIRST_STEP = re.compile(r"resumed from checkpoint at iteration \d+\n[\s\S]*saved checkpoint")
 
@@ -98,7 +105,7 @@ def once(cluster, scenario: str, job: str, hang_timeout: float) -> tuple[float, 
     hang = hang_timeout if scenario == "hang" else 0
     cmd = [PY, str(REPO / "main.py"), "--address", cluster.address, "--job-name", job, "--device", "cpu",
            "--nodes", "2", "--gpus-per-node", "1", "--runs-dir", str(runs), "--hang-timeout", str(hang),
-           str(runs / "loop.py"), str(runs)]  # fmt: skip
+           str(runs / "loop.py"), str(runs), *CHILDREN]  # fmt: skip
     p = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         topo, log0 = runs / job / "topology.json", runs / job / "rank-0.log"
@@ -148,7 +155,9 @@ def restart_once(cluster, mode: str, job: str, trainer: str) -> float | None:
     (runs / "dry.py").write_text(DRY_RUN)
     train_args = ["steps=1000000", f"save={runs / 'ckpt'}", "save_every=1"]
     if mode == "torchrun":
-        script = ["dry.py", str(runs), *train_args] if trainer == "megatron" else ["loop.py", str(runs)]
+        script = (
+            ["dry.py", str(runs), *train_args] if trainer == "megatron" else ["loop.py", str(runs), *CHILDREN]
+        )
         cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "--max-restarts", "1", str(runs / script[0]), *script[1:]]  # fmt: skip
         log0 = runs / "driver.out"  # torchrun passes rank 0's output through
@@ -156,7 +165,11 @@ def restart_once(cluster, mode: str, job: str, trainer: str) -> float | None:
         cmd = [PY, str(REPO / "main.py"), "--address", cluster.address, "--job-name", job, "--device", "cpu",
                "--nodes", "2", "--gpus-per-node", "1", "--runs-dir", str(runs), "--max-restarts", "1",
                "--spares" if mode == "warm spares" else "--no-spares"]  # fmt: skip
-        cmd += ["--dry-run", *train_args] if trainer == "megatron" else [str(runs / "loop.py"), str(runs)]
+        cmd += (
+            ["--dry-run", *train_args]
+            if trainer == "megatron"
+            else [str(runs / "loop.py"), str(runs), *CHILDREN]
+        )
         log0 = runs / job / "rank-0.log"
     topo, driver_out = runs / job / "topology.json", runs / "driver.out"
 
@@ -220,7 +233,14 @@ def main(argv: list[str] | None = None) -> dict:
         choices=("teardown", "restart", "cut"),
         help="run only these scenarios (cut: bench/cut_link.py)",
     )
+    parser.add_argument(
+        "--children",
+        type=int,
+        default=0,
+        help="with the gloo loop: processes each rank forks, holding its sockets as DataLoader workers do",
+    )
     args = parser.parse_args(argv)
+    CHILDREN[:] = [str(args.children)]
     if args.only == "cut":  # real (namespace) machines, not the simulated cluster below
         import cut_link
 

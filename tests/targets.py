@@ -101,20 +101,18 @@ def wait_forever():
 
 
 def wait_forever_with_a_child():
-    """As a rank with DataLoader workers: rank 1 forks a child, which holds the rank's sockets (Ray's
-    own among them) until its parent is gone and for CHILD_HOLDS_S after, then says so and exits; Ray
-    learns of the rank's death only when the child lets go. Every rank reports its pid (and rank 1 its
-    child's)."""
-    if os.environ["RANK"] == "1":
-        parent = os.getpid()
-        child = os.fork()
-        if child == 0:
-            while os.getppid() == parent:
-                time.sleep(0.05)
-            time.sleep(CHILD_HOLDS_S)
-            _write("let-go", {"pid": os.getpid()})
-            os._exit(0)
-        _write("child", {"pid": child})
+    """As a rank with DataLoader workers: it forks a child, which holds the rank's sockets (Ray's own
+    among them) until its parent is gone and for CHILD_HOLDS_S after, then says so and exits; Ray
+    learns of the rank's death only when the child lets go. Each rank reports its pid and its child's."""
+    parent = os.getpid()
+    child = os.fork()
+    if child == 0:
+        while os.getppid() == parent:
+            time.sleep(0.05)
+        time.sleep(CHILD_HOLDS_S)
+        _write("let-go", {"pid": os.getpid()})
+        os._exit(0)
+    _write("child", {"pid": child})
     wait_forever()
 
 

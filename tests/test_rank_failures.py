@@ -86,23 +86,27 @@ def test_sys_exit_code_is_reported(capsys):
 
 
 def test_a_killed_rank_takes_the_job_down_fast(out, capsys):
-    """Rank 1 has forked a child that holds its sockets, as DataLoader workers do: Ray would report its
-    death only once the child lets go (5 s for torch's workers, CHILD_HOLDS_S here). The node's watch
-    tells it, whether it catches the process exiting or finds it already reaped: the launch has ended
-    before the child let go (the teardown's kill of the actor kills it with its process group)."""
+    """Each rank has forked a child that holds its sockets, as DataLoader workers do: Ray reports a
+    rank's death only once its child lets go (5 s for torch's workers, CHILD_HOLDS_S here). Rank 1 is
+    SIGKILLed; the node's watch tells it, whether it catches the process exiting or finds it already
+    reaped, and tells rank 0's end on the stop's SIGTERM too, however long --kill-grace would let it
+    take: the launch has ended before either child let go (the teardown's kill of each actor kills
+    its process group)."""
     import psutil
 
     from .targets import CHILD_HOLDS_S
 
-    child: list[psutil.Process] = []
+    children: list[psutil.Process] = []
 
     def kill_rank_1():
-        pid_file, child_file = out / "pid-rank1.json", out / "child-rank1.json"
+        wanted = [out / f"{name}-rank{r}.json" for name in ("pid", "child") for r in (0, 1)]
         deadline = time.monotonic() + 60
-        while not (pid_file.exists() and child_file.exists()) and time.monotonic() < deadline:
+        while not all(f.exists() for f in wanted) and time.monotonic() < deadline:
             time.sleep(0.05)
-        child.append(psutil.Process(json.loads(child_file.read_text())["pid"]))
-        os.kill(json.loads(pid_file.read_text())["pid"], signal.SIGKILL)
+        children.extend(
+            psutil.Process(json.loads((out / f"child-rank{r}.json").read_text())["pid"]) for r in (0, 1)
+        )
+        os.kill(json.loads((out / "pid-rank1.json").read_text())["pid"], signal.SIGKILL)
 
     killer = threading.Thread(target=kill_rank_1, daemon=True)
     killer.start()
@@ -112,15 +116,18 @@ def test_a_killed_rank_takes_the_job_down_fast(out, capsys):
         "cpu",
         "--gpus-per-node",
         "2",
+        "--kill-grace",
+        str(2 * CHILD_HOLDS_S),
         "--entrypoint",
         "tests.targets:wait_forever_with_a_child",
         out=out,
     )
-    let_go = (out / "let-go-rank1.json").exists()
-    with contextlib.suppress(psutil.Error):  # the same process (psutil compares its start time)
-        child[0].kill()  # the teardown's kill of the actor kills its process group: already, as a rule
+    let_go = sorted(f.name for f in out.glob("let-go-rank*.json"))
+    for child in children:
+        with contextlib.suppress(psutil.Error):  # the same process (psutil compares its start time)
+            child.kill()  # killed with its rank's process group by the teardown, as a rule
     assert code == 1  # how fast: bench/failures.py's "rank death", against torchrun (not a timed assert)
-    assert not let_go, f"the launch waited for Ray's report, sent as the child let go ({CHILD_HOLDS_S} s)"
+    assert let_go == [], f"the launch waited for Ray's report, sent as a child let go ({CHILD_HOLDS_S} s)"
     err = capsys.readouterr().err
     assert "rank      : 1 of 2" in err, err[-3000:]
     # the node saw it killed as it exited, or found it gone (reaped at once): then its cause is told

@@ -76,9 +76,13 @@ def kill_actors(actors: Iterable[Any]) -> None:
             ray.kill(a, no_restart=True)
 
 
-def wait_all(refs: list, timeout_s: float, stop: StopSignal, check: Callable[[], None] | None = None) -> list:
+def wait_all(
+    refs: list, timeout_s: float, stop: StopSignal, check: Callable[[], None] | None = None,
+    settled: Callable[[list], set] | None = None,
+) -> list:  # fmt: skip
     """`ray.wait` for all refs, in slices so a stop signal is seen quickly; returns the ready ones.
-    `check` runs every slice too (and may raise): the nodes' probes while ranks start."""
+    `check` runs every slice too (and may raise): the nodes' probes while ranks start. `settled`
+    says which of the pending refs need no more waiting for (their process seen gone on its node)."""
     deadline = time.monotonic() + timeout_s
     ready: list = []
     pending = list(refs)  # each slice asks about these only: 32,768 actors start over a minute
@@ -86,6 +90,8 @@ def wait_all(refs: list, timeout_s: float, stop: StopSignal, check: Callable[[],
         stop.check()
         if check is not None:
             check()
+        if settled is not None and pending and (known := settled(pending)):
+            pending = [r for r in pending if r not in known]
         left = deadline - time.monotonic()
         if not pending or left <= 0:
             return ready

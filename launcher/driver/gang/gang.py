@@ -238,15 +238,19 @@ class RankGang:
     def wait_stopped(self, refs: list, grace_s: float, frozen: set[int] = frozenset()) -> None:
         """After a stop: give the ranks still running `grace_s` to end on their SIGTERM; not those on a
         lost node, which no signal reaches and whose end Ray tells only when it gives the node up, nor
-        the `frozen` ranks, whose process cannot act on it (a SIGSTOPped rank waited out the grace)."""
+        the `frozen` ranks, whose process cannot act on it (a SIGSTOPped rank waited out the grace).
+        A rank is done when its call ends or its node sees its process gone, whichever comes first
+        (Ray tells a death only when the children the rank forked let go of its socket)."""
         lost = self.lost_nodes
-        alive = [
-            ref
+        alive = {
+            ref: r.pid
             for ref, r in zip(refs, self.reports, strict=True)
             if r.node_id not in lost and r.rank not in frozen
-        ]
+        }
         with contextlib.suppress(Interrupted):  # a second Ctrl-C: kill at once
-            wait_all(alive, grace_s, self.stop)
+            wait_all(
+                list(alive), grace_s, self.stop, settled=lambda p: self.ends.gone({alive[r]: r for r in p})
+            )
 
     # -- end --------------------------------------------------------------------------------------
     def teardown(self, *, keep_groups: bool = False) -> None:

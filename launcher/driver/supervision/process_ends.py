@@ -40,6 +40,7 @@ class EndsWatch:
         self.handles, self.forwarders = handles, forwarders  # node id -> its output forwarder
         self.watches: dict[Any, str] = {}  # each node's call -> its node id
         self.forwarder_gone: dict[str, float] = {}  # node id -> when its forwarder was found dead
+        self.seen_gone: set[int] = set()  # every pid seen ending or gone, whatever its status
         for node, hs in ranks_by_node(handles).items():
             self._watch(node, [h.report.pid for h in hs])
 
@@ -79,7 +80,7 @@ class EndsWatch:
                 self.forwarder_gone.setdefault(node, time.monotonic())
                 continue
             out += [(by_pid[e.pid], e) for e in ends if e.failed or e.vanished]
-            gone = {e.pid for e in ends}
+            self.seen_gone |= {e.pid for e in ends}
             self._watch(node, [h.report.pid for h in self.handles if h.report.node_id == node
-                               and h.report.pid not in gone])  # fmt: skip
+                               and h.report.pid not in self.seen_gone])  # fmt: skip
         return out

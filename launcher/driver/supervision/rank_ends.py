@@ -170,6 +170,11 @@ class RankEnds:
             )
         return failures
 
+    def gone(self, refs_by_pid: dict[int, Any]) -> set:
+        """Of these ranks' calls (by their process's pid), those whose process its node has seen end."""
+        self.ends.ended()
+        return {ref for pid, ref in refs_by_pid.items() if pid in self.ends.seen_gone}
+
     def close(self) -> None:
         if self.probes is not None:
             self.probes.close()
