@@ -239,7 +239,16 @@ def main(argv: list[str] | None = None) -> dict:
         default=0,
         help="with the gloo loop: processes each rank forks, holding its sockets as DataLoader workers do",
     )
+    parser.add_argument(
+        "--restart-modes",
+        default=",".join(RESTART_MODES),
+        help=f"of the restart scenarios: a comma-separated subset of {','.join(RESTART_MODES)}",
+    )
     args = parser.parse_args(argv)
+    asked = args.restart_modes.split(",")
+    if unknown := sorted(set(asked) - set(RESTART_MODES)):
+        parser.error(f"--restart-modes: unknown {', '.join(unknown)}; choose from {','.join(RESTART_MODES)}")
+    args.restart_modes = [m for m in RESTART_MODES if m in asked]
     CHILDREN[:] = [str(args.children)]
     if args.only == "cut":  # real (namespace) machines, not the simulated cluster below
         import cut_link
@@ -269,7 +278,7 @@ def main(argv: list[str] | None = None) -> dict:
             ]
         # interleaved, so that load on the machine hits all three alike
         for i in range(args.repeats if args.only != "teardown" else 0):
-            for mode in RESTART_MODES:
+            for mode in args.restart_modes:
                 job = f"restart-{mode.split()[0]}{i}"
                 restarts.setdefault(mode, []).append(restart_once(cluster, mode, job, args.trainer))
     finally:
@@ -300,9 +309,9 @@ def main(argv: list[str] | None = None) -> dict:
         failed = f"; the relaunch failed {lost} of {len(times)} times" if lost else ""
         name = mode if mode == "torchrun" else f"megaray {mode}"
         print(f"  {name}: {summary(done[mode])}{failed}", flush=True)
-    if all(done.values()):
+    if all(done.values()) and "torchrun" in done and len(done) > 1:
         base = median(done["torchrun"])
-        ratios = ", ".join(f"{mode} {median(done[mode]) / base:.2f}" for mode in RESTART_MODES[:2])
+        ratios = ", ".join(f"{mode} {median(done[mode]) / base:.2f}" for mode in done if mode != "torchrun")
         print(f"  megaray/torchrun: {ratios}", flush=True)
     return {**results, **{f"restart {mode}": times for mode, times in restarts.items()}}
 

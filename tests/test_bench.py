@@ -10,12 +10,13 @@ sys.path.insert(0, str(REPO / "bench"))
 
 
 def test_launch_overhead_runs_every_mode(capsys):
-    """The modes on `megaray up`; torchrun's and the attached one, with control_plane.py, run in
-    tests/test_gpu_suite.py's end-to-end run of the suite's `overhead` item (formerly here too)."""
+    """A mode on `megaray up --warm` beside torchrun; torchrun's and the attached one, with
+    control_plane.py, run in tests/test_gpu_suite.py's end-to-end run of the suite's `overhead` item."""
     import launch_overhead
 
-    # a Ray started for the run is what the one-node tests start anyway
-    modes = ["torchrun", "megaray-up", "megaray-up-warm"]
+    # a Ray started for the run is what the one-node tests start anyway; `megaray up` without --warm
+    # is the same measurement on a pool of its own (one `megaray up` here, not two)
+    modes = ["torchrun", "megaray-up-warm"]
     results = launch_overhead.main(["--ranks", "2", "--repeats", "1", "--modes", *modes])
     assert set(results[2]) == set(modes)
     assert all(len(v["seconds"]) == 1 and v["seconds"][0] > 0 for v in results[2].values())
@@ -45,8 +46,12 @@ def test_teardown_measures_both_launchers(capsys):
 def test_failures_times_rank_death_node_loss_and_a_hang(capsys):
     import failures
 
-    results = failures.main(["--repeats", "1", "--hang-timeout", "2", "--trainer", "loop"])
-    restarts = {f"restart {m}" for m in failures.RESTART_MODES}
+    # a cold restart is the warm one's path less the spares (tests/test_restarts.py runs both)
+    modes = "warm spares,torchrun"
+    results = failures.main(
+        ["--repeats", "1", "--hang-timeout", "2", "--trainer", "loop", "--restart-modes", modes]
+    )
+    restarts = {f"restart {m}" for m in modes.split(",")}
     assert set(results) == {"rank death", "node loss", "hang"} | restarts
     assert all(len(results[s]) == 1 and results[s][0][0] > 0 for s in ("rank death", "node loss", "hang"))
     assert all(len(results[r]) == 1 and results[r][0] > 0 for r in restarts)
