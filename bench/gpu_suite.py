@@ -565,13 +565,13 @@ def item_pair(suite: Suite, name: str, recipe: list[str], overrides: list[str], 
 
 _PREFLIGHT = re.compile(
     r"megaray: (preflight: .*\([\d.]+ s\)|preflight in .*|waited [\d.]+ s for the preflight|the ranks import"
-    r"|rank 0 imported .*)"
+    r"|rank 0 imported .*|starting a local Ray)"
 )
 
 
 def preflight_lines(lines: list[tuple[float, str]]) -> list[str]:
-    """megaray's lines on where its preflight ran, how long the ranks waited for it and what rank 0's
-    imports took."""
+    """megaray's lines on when it started its own Ray (then the ranks import once it is up and they are
+    placed), where its preflight ran, how long the ranks waited for it and what rank 0's imports took."""
     return [f"{m.group(1)} (at {t:.1f} s)" for t, line in lines if (m := _PREFLIGHT.search(line))]
 
 

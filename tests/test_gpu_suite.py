@@ -209,10 +209,12 @@ def test_the_section_names_every_item_with_both_launchers(tmp_path):
     )
     assert "the launch took the pool (exit 0)" in section and "(1.1 s) (at 3.0 s)" in section
     lines = gpu_suite.read_stamped(
+        "  0.600 megaray: starting a local Ray for this run (attach to a running cluster with --address)\n"
         "  2.000 megaray: preflight in a warm pool's process, bridge imported there (1.1 s)\n"
         "  3.000 megaray: preflight: TP 1 x PP 1 fits 1 rank(s) (0.9 s)\n  4.0 other\n"
     )
     assert gpu_suite.preflight_lines(lines) == [
+        "starting a local Ray (at 0.6 s)",
         "preflight in a warm pool's process, bridge imported there (1.1 s) (at 2.0 s)",
         "preflight: TP 1 x PP 1 fits 1 rank(s) (0.9 s) (at 3.0 s)",
     ]
