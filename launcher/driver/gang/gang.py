@@ -247,10 +247,13 @@ class RankGang:
             for ref, r in zip(refs, self.reports, strict=True)
             if r.node_id not in lost and r.rank not in frozen
         }
+
+        def settled(pending: list) -> set:
+            gone = self.ends.pids_gone()
+            return {ref for ref in pending if alive[ref] in gone}
+
         with contextlib.suppress(Interrupted):  # a second Ctrl-C: kill at once
-            wait_all(
-                list(alive), grace_s, self.stop, settled=lambda p: self.ends.gone({alive[r]: r for r in p})
-            )
+            wait_all(list(alive), grace_s, self.stop, settled=settled)
 
     # -- end --------------------------------------------------------------------------------------
     def teardown(self, *, keep_groups: bool = False) -> None:

@@ -170,10 +170,10 @@ class RankEnds:
             )
         return failures
 
-    def gone(self, refs_by_pid: dict[int, Any]) -> set:
-        """Of these ranks' calls (by their process's pid), those whose process its node has seen end."""
+    def pids_gone(self) -> set[int]:
+        """The pids of the ranks' processes their nodes have seen end so far, looked at now."""
         self.ends.ended()
-        return {ref for pid, ref in refs_by_pid.items() if pid in self.ends.seen_gone}
+        return self.ends.seen_gone
 
     def close(self) -> None:
         if self.probes is not None:
