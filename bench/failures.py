@@ -62,7 +62,6 @@ from launcher.megatron.tiny_gpt import train
 train(**parse_options(sys.argv[2:]))
 """
 RESTART_MODES = ("warm spares", "cold", "torchrun")
-CHILDREN = ["0"]  # --children: processes each loop rank forks (set by main)
 # The relaunched trainer's first step: the dry run resumes, then saves after its first step.
 FIRST_STEP = re.compile(r"resumed from checkpoint at iteration \d+\n[\s\S]*saved checkpoint")
 
@@ -94,8 +93,9 @@ def _text(path: Path) -> str:
     return path.read_text() if path.exists() else ""
 
 
-def once(cluster, scenario: str, job: str, hang_timeout: float) -> tuple[float, float]:
-    """A killed rank, a lost node or a hang: (seconds to ranks gone and groups removed, to exit)."""
+def once(cluster, scenario: str, job: str, hang_timeout: float, children: int = 0) -> tuple[float, float]:
+    """A killed rank, a lost node or a hang: (seconds to ranks gone and groups removed, to exit).
+    `children`: processes each rank forks (--children)."""
     import ray
 
     from launcher.driver.cluster.cluster import SIMULATED_NODE
@@ -105,7 +105,7 @@ def once(cluster, scenario: str, job: str, hang_timeout: float) -> tuple[float, 
     hang = hang_timeout if scenario == "hang" else 0
     cmd = [PY, str(REPO / "main.py"), "--address", cluster.address, "--job-name", job, "--device", "cpu",
            "--nodes", "2", "--gpus-per-node", "1", "--runs-dir", str(runs), "--hang-timeout", str(hang),
-           str(runs / "loop.py"), str(runs), *CHILDREN]  # fmt: skip
+           str(runs / "loop.py"), str(runs), str(children)]  # fmt: skip
     p = subprocess.Popen(cmd, cwd=REPO, env=clean_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         topo, log0 = runs / job / "topology.json", runs / job / "rank-0.log"
@@ -145,7 +145,7 @@ def once(cluster, scenario: str, job: str, hang_timeout: float) -> tuple[float, 
             cluster.wait_for_nodes()
 
 
-def restart_once(cluster, mode: str, job: str, trainer: str) -> float | None:
+def restart_once(cluster, mode: str, job: str, trainer: str, children: int = 0) -> float | None:
     """--max-restarts 1 and a SIGKILL of rank 1: seconds to the relaunch's first step (the dry-run
     trainer resumes from its checkpoint, trains a step and saves it) or, for the loop, to the
     relaunched rank 0 past init_process_group; None if the relaunch failed. `mode`: megaray on warm
@@ -156,7 +156,9 @@ def restart_once(cluster, mode: str, job: str, trainer: str) -> float | None:
     train_args = ["steps=1000000", f"save={runs / 'ckpt'}", "save_every=1"]
     if mode == "torchrun":
         script = (
-            ["dry.py", str(runs), *train_args] if trainer == "megatron" else ["loop.py", str(runs), *CHILDREN]
+            ["dry.py", str(runs), *train_args]
+            if trainer == "megatron"
+            else ["loop.py", str(runs), str(children)]
         )
         cmd = [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                "--max-restarts", "1", str(runs / script[0]), *script[1:]]  # fmt: skip
@@ -168,7 +170,7 @@ def restart_once(cluster, mode: str, job: str, trainer: str) -> float | None:
         cmd += (
             ["--dry-run", *train_args]
             if trainer == "megatron"
-            else [str(runs / "loop.py"), str(runs), *CHILDREN]
+            else [str(runs / "loop.py"), str(runs), str(children)]
         )
         log0 = runs / job / "rank-0.log"
     topo, driver_out = runs / job / "topology.json", runs / "driver.out"
@@ -249,7 +251,6 @@ def main(argv: list[str] | None = None) -> dict:
     if unknown := sorted(set(asked) - set(RESTART_MODES)):
         parser.error(f"--restart-modes: unknown {', '.join(unknown)}; choose from {','.join(RESTART_MODES)}")
     args.restart_modes = [m for m in RESTART_MODES if m in asked]
-    CHILDREN[:] = [str(args.children)]
     if args.only == "cut":  # real (namespace) machines, not the simulated cluster below
         import cut_link
 
@@ -273,14 +274,16 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         for scenario in ("rank death", "node loss", "hang") if args.only != "restart" else ():
             results[scenario] = [
-                once(cluster, scenario, f"fail-{scenario.split()[0]}{i}", args.hang_timeout)
+                once(cluster, scenario, f"fail-{scenario.split()[0]}{i}", args.hang_timeout, args.children)
                 for i in range(args.repeats)
             ]
         # interleaved, so that load on the machine hits all three alike
         for i in range(args.repeats if args.only != "teardown" else 0):
             for mode in args.restart_modes:
                 job = f"restart-{mode.split()[0]}{i}"
-                restarts.setdefault(mode, []).append(restart_once(cluster, mode, job, args.trainer))
+                restarts.setdefault(mode, []).append(
+                    restart_once(cluster, mode, job, args.trainer, args.children)
+                )
     finally:
         ray.shutdown()
         stop_cluster(cluster)

@@ -955,7 +955,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = sorted(set(args.items) - set(ITEMS))
     if unknown:
         p.error(f"--only: unknown item(s) {', '.join(unknown)}; choose from {', '.join(ITEMS)}")
-    if bad := sorted(set(args.cold_modes.split(",")) - set(COLD_MODES)):
+    args.cold_modes = tuple(args.cold_modes.split(","))
+    if bad := sorted(set(args.cold_modes) - set(COLD_MODES)):
         p.error(f"--cold-modes: unknown mode(s) {', '.join(bad)}; choose from {', '.join(COLD_MODES)}")
     return args
 
@@ -976,7 +977,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"environment: {json.dumps(results['env'])}", flush=True)
     runners = {
         "parity": lambda: item_parity(suite),
-        "cold": lambda: item_cold(suite, args.cold_rounds, tuple(args.cold_modes.split(","))),
+        "cold": lambda: item_cold(suite, args.cold_rounds, args.cold_modes),
         "warm": lambda: item_warm(suite, results),
         "arch": lambda: item_arch(suite),
         "restart": lambda: item_restart(suite, tuple(args.restart_modes.split(","))),
