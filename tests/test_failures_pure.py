@@ -284,3 +284,27 @@ def test_a_dying_rank_s_megabyte_line_is_shortened_in_the_report():
     assert len(shown) < 1_400 and shown.startswith("x" * 1000) and shown.endswith("the end")
     assert "[... 4998807 characters left out: the rank's log has the line ...]" in shown
     assert readable_tail(["short", "y" * 1300]) == ("short", "y" * 1300)  # under the bound: whole
+
+
+def test_a_local_ray_that_did_not_come_up_in_time_is_one_line():
+    """Ray raises a bare Exception when the raylet it started has not registered within its 30 s (on 2
+    cores beside the test suite, its agents' starts took that long): one line with what to do, not
+    Ray's traceback."""
+    import inspect
+
+    import ray._private.node
+
+    from launcher.core.errors import ClusterError
+    from launcher.driver.cluster import cluster
+
+    assert cluster.RAY_START_TIMED_OUT in inspect.getsource(ray._private.node)  # Ray's words still
+    with pytest.raises(ClusterError) as caught, cluster._started_in_time():
+        raise Exception(cluster.RAY_START_TIMED_OUT + ". This could happen because ...")
+    said = str(caught.value)
+    assert said.startswith("the local Ray did not start: its node did not come up within Ray's 30 s")
+    assert "--address" in said and "/ray/session_latest/logs)" in said and "\n" not in said
+    busy = cluster.start_timed_out(13.2, 2, "/tmp/ray")
+    assert "this machine is busy (load 13.2 on 2 core(s)): try again" in busy
+    assert "busy" not in cluster.start_timed_out(0.5, 2, "/tmp/ray")
+    with pytest.raises(ValueError), cluster._started_in_time():  # anything else is not this
+        raise ValueError("other")

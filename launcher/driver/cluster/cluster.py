@@ -81,6 +81,35 @@ def _init(**kwargs: Any) -> None:
         raise
 
 
+# Ray's words when the raylet it started did not register with the GCS within 30 s (ray/_private/node.py)
+RAY_START_TIMED_OUT = "The current node timed out during startup"
+
+
+def start_timed_out(load: float, cores: int, temp_dir: str) -> str:
+    """The one line for a local Ray whose raylet did not register in Ray's 30 s: on a machine busy
+    past its cores its agents' Python starts take that long (seen on 2 cores beside the test suite),
+    else its logs say why."""
+    busy = f"this machine is busy (load {load:.1f} on {cores} core(s)): " if load > cores else ""
+    return (
+        f"the local Ray did not start: its node did not come up within Ray's 30 s; {busy}"
+        f"try again, or attach to a running cluster with --address (Ray's logs: "
+        f"{temp_dir}/session_latest/logs)"
+    )
+
+
+@contextlib.contextmanager
+def _started_in_time() -> Iterator[None]:
+    """Around starting a Ray here (local, or a simulated cluster's nodes): Ray's bare Exception for a
+    node that did not come up, as one line (Ray has stopped what it started by then)."""
+    try:
+        yield
+    except Exception as e:
+        if not str(e).startswith(RAY_START_TIMED_OUT):
+            raise
+        load, cores = os.getloadavg()[0], os.cpu_count() or 1
+        raise ClusterError(start_timed_out(load, cores, rayprivate.temp_dir())) from None
+
+
 @contextlib.contextmanager
 def connect(spec: LaunchSpec, *, exits_after: bool = False) -> Iterator[Cluster]:
     """Yield a connected cluster; disconnect (and stop what we started) afterwards.
@@ -121,7 +150,7 @@ def connect(spec: LaunchSpec, *, exits_after: bool = False) -> Iterator[Cluster]
             # the exact launch a cluster will get, its nodes simulated here: NODE_RANK, GROUP_RANK and
             # cross-node collectives over gloo can be tried on a laptop
             attached = False
-            with node_environment(), rayprivate.api_server_beside_raylet():
+            with node_environment(), rayprivate.api_server_beside_raylet(), _started_in_time():
                 sim = _simulate(spec)
             _init(address=sim.address, log_to_driver=streams)
             cluster = Cluster(address=sim.address, fixed_size=True)
@@ -136,7 +165,7 @@ def connect(spec: LaunchSpec, *, exits_after: bool = False) -> Iterator[Cluster]
             logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(
                 logging.ERROR
             )
-            with node_environment(), rayprivate.api_server_beside_raylet():
+            with node_environment(), rayprivate.api_server_beside_raylet(), _started_in_time():
                 _init(address="local", include_dashboard=False, num_cpus=cpus, log_to_driver=streams)
             cluster = Cluster(address=ray.get_runtime_context().gcs_address, fixed_size=True)
         quiet_raylet(not streams)

@@ -189,6 +189,14 @@ def show_worker_logs(on: bool) -> None:
     ray_worker._worker_logs_enabled = on
 
 
+def temp_dir() -> str:
+    """Where a Ray started here keeps its sessions (RAY_TMPDIR, else TMPDIR, else /tmp, then `ray`):
+    for the failure line of a local Ray that did not start, whose node never recorded its own."""
+    from ray._common.utils import get_default_ray_temp_dir
+
+    return get_default_ray_temp_dir()
+
+
 def last_cluster_address() -> Any:
     """The cluster `ray start` last started on this machine, as Ray's job client finds it."""
     from ray._private.utils import read_ray_address
