@@ -168,7 +168,7 @@ def test_nodes_min_max_shrinks_on_a_cut_link_and_grows_back_when_it_heals(machin
     job, ckpt, said = "elastic", tmp_path / "ckpt", tmp_path / "driver.out"
     cmd = ["--address", machines, "--device", "cpu", "--nodes", "2:3",
            "--max-restarts", "2", "--job-name", job, "--runs-dir", str(tmp_path),
-           "--dry-run", "steps=200", f"save={ckpt}", "save_every=50"]  # fmt: skip
+           "--dry-run", "steps=80", f"save={ckpt}", "save_every=20"]  # fmt: skip
     p = drive.start(*cmd, env=_env(), log=said)
     log, topology = tmp_path / job / "rank-0.log", tmp_path / job / "topology.json"
 
@@ -178,7 +178,7 @@ def test_nodes_min_max_shrinks_on_a_cut_link_and_grows_back_when_it_heals(machin
             assert p.poll() is None and time.monotonic() < deadline, said.read_text()[-4000:]
             time.sleep(0.2)
 
-    until(log, r"saved checkpoint at iteration 50\b")
+    until(log, r"saved checkpoint at iteration 20\b")
     first = json.loads(topology.read_text())
     assert first["nodes"]["running"] == 3, first
     worker = next(r["node_ip"] for r in first["ranks"] if r["node_ip"] in WORKERS)
@@ -195,7 +195,7 @@ def test_nodes_min_max_shrinks_on_a_cut_link_and_grows_back_when_it_heals(machin
     assert "the cluster has room for 3 node(s) of --nodes 2:3 (running on 2)" in out, out[-4000:]
     summary = json.loads((tmp_path / job / "summary.json").read_text())
     assert [r["kind"] for r in summary["restarts"]] == ["failure", "grow"], summary["restarts"]
-    assert summary["status"] == "succeeded" and summary["progress"]["iteration"] == 200
+    assert summary["status"] == "succeeded" and summary["progress"]["iteration"] == 80
     last = json.loads(topology.read_text())
     assert last["nodes"]["running"] == 3 and worker in {r["node_ip"] for r in last["ranks"]}
     dashboard = "http://" + machines.replace(":36500", ":36501")
