@@ -1,0 +1,98 @@
+"""CPU-seconds per test, for finding what makes the suite slow: `python -m pytest -p tests.cpu_per_test`.
+
+On 2 cores the suite keeps both busy (its two workers, Ray's daemons, every rank), so a test's wall
+time says more about what ran beside it than about the test. Here each pytest process (each xdist
+worker) moves into a cgroup of its own, which every process it starts inherits (Ray's daemons,
+drivers, ranks): the cgroup's CPU counter read before and after each test is what that test cost,
+whatever ran beside it. Module fixtures count in the test that started or stopped them.
+
+Needs root and a cgroup filesystem (v1 `cpuacct` or v2); without them it says so and records nothing.
+Each worker appends `nodeid<TAB>cpu_s<TAB>wall_s` to `cpu-<worker>.tsv` in MEGARAY_CPU_DIR (default:
+the temp dir); the run ends with the modules' totals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+_V1 = Path("/sys/fs/cgroup/cpuacct")
+_V2 = Path("/sys/fs/cgroup")
+_WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
+
+
+def _out_dir() -> Path:
+    return Path(os.environ.get("MEGARAY_CPU_DIR") or tempfile.gettempdir())
+
+
+class _Counter:
+    """This process's own cgroup and its CPU counter, in seconds."""
+
+    def __init__(self) -> None:
+        if (_V1 / "cpuacct.usage").exists():
+            self.dir, self.read = _V1 / f"megaray-cpu-{_WORKER}-{os.getpid()}", self._v1
+        elif (_V2 / "cgroup.controllers").exists():
+            self.dir, self.read = _V2 / f"megaray-cpu-{_WORKER}-{os.getpid()}", self._v2
+        else:
+            raise OSError("no cgroup filesystem with a CPU counter under /sys/fs/cgroup")
+        for old in self.dir.parent.glob("megaray-cpu-*"):  # earlier runs': removed once empty
+            with contextlib.suppress(OSError):
+                old.rmdir()
+        self.dir.mkdir(exist_ok=True)
+        (self.dir / "cgroup.procs").write_text(str(os.getpid()))
+
+    def _v1(self) -> float:
+        return int((self.dir / "cpuacct.usage").read_text()) / 1e9
+
+    def _v2(self) -> float:
+        stat = dict(line.split() for line in (self.dir / "cpu.stat").read_text().splitlines())
+        return int(stat["usage_usec"]) / 1e6
+
+
+_counter: _Counter | None = None
+
+
+def pytest_configure(config):
+    global _counter
+    if not hasattr(config, "workerinput"):  # the run's first process: an earlier run's counts go
+        for old in _out_dir().glob("cpu-*.tsv"):
+            old.unlink()
+    try:
+        _counter = _Counter()
+    except OSError as e:
+        print(f"cpu_per_test: not counting ({e}; needs root)")
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if _counter is None:
+        yield
+        return
+    cpu, wall = _counter.read(), time.monotonic()
+    yield
+    cpu, wall = _counter.read() - cpu, time.monotonic() - wall
+    with open(_out_dir() / f"cpu-{_WORKER}.tsv", "a") as f:
+        f.write(f"{item.nodeid}\t{cpu:.1f}\t{wall:.1f}\n")
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    if hasattr(config, "workerinput"):
+        return
+    by_module: dict[str, list[float]] = {}
+    for tsv in _out_dir().glob("cpu-*.tsv"):
+        for line in tsv.read_text().splitlines():
+            nodeid, cpu, wall = line.split("\t")
+            total = by_module.setdefault(nodeid.split("::")[0], [0.0, 0.0])
+            total[0] += float(cpu)
+            total[1] += float(wall)
+    if not by_module:
+        return
+    terminalreporter.section("CPU-seconds per module (tests/cpu_per_test.py)")
+    for module, (cpu, wall) in sorted(by_module.items(), key=lambda kv: -kv[1][0]):
+        terminalreporter.write_line(f"{cpu:8.1f} cpu-s {wall:8.1f} s  {module}")
+    terminalreporter.write_line(f"{sum(c for c, _ in by_module.values()):8.1f} cpu-s in all")
