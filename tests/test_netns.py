@@ -215,9 +215,11 @@ def _start_and_cut(machines: str, tmp_path, job: str, extra: list[str], steps: i
     cmd = ["--address", machines, "--device", "cpu", "--nodes", "2",
            "--job-name", job, "--runs-dir", str(tmp_path), *extra, str(script)]  # fmt: skip
     p = drive.start(*cmd, env=_env())
-    log = tmp_path / job / "rank-0.log"
+    # both ranks' step 5 arrived (each rank's log is what the console got): rank 1's line could still be
+    # on its way from the machine cut next when rank 0's was in, and would then never be shown
+    logs = [tmp_path / job / f"rank-{r}.log" for r in (0, 1)]
     deadline = time.monotonic() + 120
-    while "step 5" not in (log.read_text() if log.exists() else ""):
+    while not all("step 5" in (log.read_text() if log.exists() else "") for log in logs):
         assert p.poll() is None and time.monotonic() < deadline, p.communicate()[0][-3000:]
         time.sleep(0.2)
     topology = json.loads((tmp_path / job / "topology.json").read_text())
