@@ -143,6 +143,18 @@ class NodeForwarder:
             if self.held:
                 wake.set()
 
+    async def ship(self, spools: list[tuple[Source, str]]) -> dict[str, Any]:
+        """A dead rank's spool, sent to the sink from here (rank/spool.py `ship`): this process runs on
+        the rank's node already, where a task would first wait for Ray to start a worker (seconds on
+        a loaded machine, which left a crashed rank's last line out of its report)."""
+        from .spool import oom_kills, unsent
+
+        received = await self.sink.received_of.remote([source for source, _ in spools])
+        batch, shipped = unsent(spools, received, True)
+        if batch is not None:
+            await self.sink.take.remote(batch)
+        return {"shipped": shipped, "oom_kills": oom_kills()}
+
     @ray.method(concurrency_group=CONTROL)
     async def watch_ends(self, pids: list[int]) -> list[ProcessEnd]:
         """Returns once any of these processes (the node's ranks) is ending: the moment it starts to exit,

@@ -106,9 +106,19 @@ def ship(sink: Any, spools: list[tuple[Source, str]], delete: bool) -> dict[str,
     rank and the node's OOM kill count."""
     import ray
 
+    received = ray.get(sink.received_of.remote([source for source, _ in spools]))
+    batch, shipped = unsent(spools, received, delete)
+    if batch is not None:
+        ray.get(sink.take.remote(batch))
+    return {"shipped": shipped, "oom_kills": oom_kills()}
+
+
+def unsent(spools: list[tuple[Source, str]], received: list[int], delete: bool) -> tuple[Any, dict[int, int]]:
+    """What the spools hold beyond what the sink `received` of each, as one batch for the node (not
+    one call per rank; at most 4 MiB a spool, MAX_SALVAGE_BYTES), None when nothing; and the bytes
+    by rank. Deletes the spools when their processes have ended."""
     from ..core.outbatch import OutputBatch
 
-    received = ray.get(sink.received_of.remote([source for source, _ in spools]))
     chunks, shipped = [], {}
     for (source, path), start in zip(spools, received, strict=True):
         begin, data = read_from(path, start)
@@ -118,9 +128,7 @@ def ship(sink: Any, spools: list[tuple[Source, str]], delete: bool) -> dict[str,
         if delete:
             with contextlib.suppress(OSError):
                 os.unlink(path)
-    if chunks:  # one call for the node: not one per rank (at most 4 MiB each, MAX_SALVAGE_BYTES)
-        ray.get(sink.take.remote(OutputBatch(tuple(chunks), writes=len(chunks))))
-    return {"shipped": shipped, "oom_kills": oom_kills()}
+    return (OutputBatch(tuple(chunks), writes=len(chunks)) if chunks else None), shipped
 
 
 def exit_and_ship(

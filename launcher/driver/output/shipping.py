@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
@@ -28,13 +29,18 @@ def spools_of(handles: list[RankHandle] | tuple[RankHandle, ...]) -> list[tuple[
     return [f for h in handles if h.spool for f in spool_files(h.slot.rank, h.spool)]
 
 
-def ship_from(node: str, sink: Any, spools: list[tuple[Source, str]]) -> Any:
-    """Ship `spools` (rank/spool.py `ship`) from their node: a task there, or, on the driver's own
-    node, a thread of the driver (a task would first wait for Ray to start a worker process, about a
-    second on a small machine, on the way to every failure report and to the exit after Ctrl-C).
-    An ObjectRef or a Future."""
+def ship_from(
+    node: str, sink: Any, spools: list[tuple[Source, str]], forwarders: Mapping[str, Any] | None = None
+) -> Any:
+    """Ship `spools` (rank/spool.py `ship`) from their node: on the driver's own node, a thread of the
+    driver; elsewhere the node's output forwarder where it has one (`forwarders`, by node id), else a
+    task there (a task first waits for Ray to start a worker process, about a second on a small
+    machine and past the report's wait on a loaded one, on the way to every failure report and to the
+    exit after Ctrl-C). An ObjectRef or a Future."""
     if node == ray.get_runtime_context().get_node_id():
         return in_thread(ship, sink, spools, True)
+    if (forwarder := (forwarders or {}).get(node)) is not None:
+        return forwarder.ship.remote(spools)
     return ray.remote(ship).options(**on_node(node)).remote(sink, spools, True)
 
 
