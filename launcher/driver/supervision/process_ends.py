@@ -60,6 +60,10 @@ class EndsWatch:
                 ]
         return failures
 
+    def live_forwarders(self) -> dict[str, Any]:
+        """The forwarders not found dead, by node id: what ships a dead rank's spool (a task where none)."""
+        return {node: f for node, f in self.forwarders.items() if node not in self.forwarder_gone}
+
     def _watch(self, node: str, pids: list[int]) -> None:
         if pids and node in self.forwarders:
             self.watches[self.forwarders[node].watch_ends.remote(pids)] = node

@@ -239,7 +239,7 @@ class RankEnds:
         sink = self.sink
         if sink is None or not handle.spool:
             return None
-        return ship_from(handle.report.node_id, sink, spools_of([handle]), self.ends.forwarders)
+        return ship_from(handle.report.node_id, sink, spools_of([handle]), self.ends.live_forwarders())
 
     def inspect_hang(self, idle_s: float) -> list[RankFailure]:
         """Every rank's state and stack, read by a task on its node; one failure per rank."""
@@ -279,7 +279,7 @@ class RankEnds:
         if sink is None or not handles:
             return
         rest = [h for h in handles if h.slot.rank not in salvaging and not lost.get(h.report.node_id)]
-        by_node, forwarders = ranks_by_node(tuple(rest)), self.ends.forwarders
+        by_node, forwarders = ranks_by_node(tuple(rest)), self.ends.live_forwarders()
         refs = [ship_from(node, sink, spools_of(hs), forwarders) for node, hs in by_node.items()]
         # nothing from a node found lost since: it would answer nothing
         on_lost = {h.slot.rank for h in handles if lost.get(h.report.node_id)}
