@@ -955,9 +955,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = sorted(set(args.items) - set(ITEMS))
     if unknown:
         p.error(f"--only: unknown item(s) {', '.join(unknown)}; choose from {', '.join(ITEMS)}")
-    args.cold_modes = tuple(args.cold_modes.split(","))
-    if bad := sorted(set(args.cold_modes) - set(COLD_MODES)):
-        p.error(f"--cold-modes: unknown mode(s) {', '.join(bad)}; choose from {', '.join(COLD_MODES)}")
+    # the modes of the cold and restart items, parsed and checked here: an unknown one found by its item
+    # would cost device time first
+    for flag, attr, known in (
+        ("--cold-modes", "cold_modes", COLD_MODES),
+        ("--restart-modes", "restart_modes", RESTART_MODES),
+    ):
+        modes = tuple(getattr(args, attr).split(","))
+        if bad := sorted(set(modes) - set(known)):
+            p.error(f"{flag}: unknown mode(s) {', '.join(bad)}; choose from {', '.join(known)}")
+        setattr(args, attr, modes)
     return args
 
 
@@ -980,7 +987,7 @@ def main(argv: list[str] | None = None) -> int:
         "cold": lambda: item_cold(suite, args.cold_rounds, args.cold_modes),
         "warm": lambda: item_warm(suite, results),
         "arch": lambda: item_arch(suite),
-        "restart": lambda: item_restart(suite, tuple(args.restart_modes.split(","))),
+        "restart": lambda: item_restart(suite, args.restart_modes),
         "doctor": lambda: item_doctor(suite),
         "overhead": lambda: item_overhead(suite, args.overhead_ranks, args.control_layouts, args.repeats),
     }
