@@ -150,10 +150,12 @@ def grpc_server(answer_cluster_id: bool) -> Iterator[int]:
 
 
 def test_nothing_listening(tmp_path):
+    # bound, never listening, held through the launch: connecting is refused, and no other process
+    # (a Ray worker's gRPC server in a test beside this one) can take the port meanwhile
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # closed again: nothing listens there
-    done = launch(f"127.0.0.1:{port}", tmp_path)
+        port = s.getsockname()[1]
+        done = launch(f"127.0.0.1:{port}", tmp_path)
     assert_one_line(done, tmp_path, f"cannot reach a Ray cluster at 127.0.0.1:{port}", "--address")
 
 

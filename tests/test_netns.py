@@ -183,10 +183,15 @@ def test_nodes_min_max_shrinks_on_a_cut_link_and_grows_back_when_it_heals(machin
     assert first["nodes"]["running"] == 3, first
     worker = next(r["node_ip"] for r in first["ranks"] if r["node_ip"] in WORKERS)
     subprocess.run(["bash", str(SCRIPT), "cut", WORKERS[worker]], env=_env(), check=True, timeout=60)
+    # healed once megaray has found the machine lost and restarts without it (seconds), not once the
+    # relaunch runs: a loaded machine took up to a minute for that, and a link healed that late can
+    # still be given up by Ray's health checks (its gRPC channel backing off), the machine gone for
+    # good and the tests after this one short of it
     try:
-        until(topology, r'"running": 2', timeout_s=60)  # relaunched on the 2 left
+        until(said, r"restart 1 of 2 after", timeout_s=60)
     finally:
         subprocess.run(["bash", str(SCRIPT), "heal", WORKERS[worker]], env=_env(), check=True, timeout=60)
+    until(topology, r'"running": 2')  # relaunched on the 2 left: the lost one is kept off
     until(log, r"resumed from checkpoint at iteration \d+ at DP 2 \(saved at DP 3\)")
     until(log, r"resumed from checkpoint at iteration \d+ at DP 3 \(saved at DP 2\)")
     assert p.wait(timeout=600) == 0, said.read_text()[-4000:]
