@@ -101,6 +101,22 @@ def test_placing_waits_at_most_10_s_on_a_cluster_that_cannot_grow():
     assert wait_s(short, fixed_size=True) == 5.0
 
 
+def test_a_relaunch_that_cannot_fit_says_the_minimum_of_the_node_range_it_needed():
+    """#46: below MIN after a lost node, the error said '3 node(s)' of --nodes 2:3, the 2 needed unsaid."""
+    import dataclasses
+
+    from launcher.core.spec import spec_from_args
+    from launcher.driver.gang.placement import describe_request
+
+    spec = spec_from_args(["--nodes", "2:3", "--device", "cpu", "--dry-run"])
+    asked = dataclasses.replace(spec, nodes=3)
+    said = describe_request(asked, spec.node_range)
+    assert said.startswith("at least 2 node(s) of --nodes 2:3 x 1 ranks, each node one group"), said
+    fixed = spec_from_args(["--nodes", "2", "--device", "cpu", "--dry-run"])
+    said = describe_request(fixed, fixed.node_range)
+    assert said.startswith("2 node(s) x 1 ranks"), said
+
+
 def test_gpu_ranks_past_this_machines_gpus_are_refused_before_a_local_ray_starts():
     from launcher.core.topology import local_gpus_problem
 

@@ -18,6 +18,7 @@ from ray.util.placement_group import (
     remove_placement_group,
 )
 
+from ...core.elastic import NodeRange
 from ...core.errors import ResourceError, UsageError
 from ...core.spec import LaunchSpec
 from ...core.topology import NodeSlot
@@ -43,17 +44,23 @@ def nodes_that_fit(totals: Mapping[str, Mapping[str, float]], bundle: Mapping[st
     return sum(all(res.get(k, 0) >= v * count for k, v in bundle.items()) for res in totals.values())
 
 
-def describe_request(spec: LaunchSpec) -> str:
+def describe_request(spec: LaunchSpec, wanted: NodeRange | None = None) -> str:
+    """`wanted`: the launch's `--nodes MIN:MAX` where `spec` holds the count asked this time (a
+    relaunch below MIN was said as '3 node(s)' of --nodes 2:3, the 2 it needed unsaid)."""
     per = ", ".join(f"{k} {v:g}" for k, v in bundle_for(spec).items())
     unit = "GPUs" if spec.uses_gpus else "ranks"
+    count = f"{spec.nodes} node(s)"
+    if wanted is not None and wanted.elastic:
+        count = f"at least {wanted.min} node(s) of --nodes {wanted}"
     return (
-        f"{spec.nodes} node(s) x {spec.gpus_per_node} {unit}, each node one group of "
+        f"{count} x {spec.gpus_per_node} {unit}, each node one group of "
         f"{spec.gpus_per_node} bundles of {{{per}}} (STRICT_PACK)"
     )
 
 
-def describe_nodes() -> str:
-    """What each live node has, free and total, for the resource error."""
+def describe_nodes(lost: tuple[str, ...] = ()) -> str:
+    """What each live node has, free and total, for the resource error; `lost`: the nodes this job
+    found lost, which Ray may still count alive and free (its health checks take ~65 s)."""
     total = rayprivate.total_resources_per_node()
     free = rayprivate.available_resources_per_node()
     ips = {n["NodeID"]: n["NodeManagerAddress"] for n in ray.nodes() if n.get("Alive")}
@@ -61,7 +68,8 @@ def describe_nodes() -> str:
     for node_id, res in sorted(total.items(), key=lambda kv: ips.get(kv[0], "")):
         avail = free.get(node_id, {})
         shown = [f"{k} {avail.get(k, 0):g}/{res[k]:g} free" for k in ("GPU", "CPU") if k in res]
-        parts.append(f"{ips.get(node_id, node_id[:8])} {node_id[:8]}: {', '.join(shown) or 'no GPU/CPU'}")
+        said = "lost by this job" if node_id in lost else ", ".join(shown) or "no GPU/CPU"
+        parts.append(f"{ips.get(node_id, node_id[:8])} {node_id[:8]}: {said}")
     return "; ".join(parts) or "no live nodes"
 
 
@@ -214,7 +222,9 @@ def place_groups(
         how = f"{wait} placed" if settle_s is None else f"going on with those placed within {settle_s:g}s"
         log.warning("only %d node(s) of the cluster can hold a group: %s (at least %d)", fit, how, wanted.min)
     if problem and fixed_size:
-        raise resource_error(spec, 0, problem + describe_lost(exclude), describe_nodes(), can_grow=False)
+        raise resource_error(
+            spec, 0, problem + describe_lost(exclude), describe_nodes(exclude), can_grow=False, wanted=wanted
+        )
     fix = None
     if problem and cluster_cannot_grow():
         # No autoscaler will add a node; one started by hand, or a KubeRay replica still booting, can.
@@ -227,7 +237,7 @@ def place_groups(
         )  # fmt: skip
     elif problem:
         log.warning("%s; waiting up to %gs for more nodes", problem, spec.placement_timeout_s)
-    before = describe_nodes()  # what others left free, for the message if we time out
+    before = describe_nodes(exclude)  # what others left free, for the message if we time out
     waits = wait_s(spec, fixed_size)
     deadline = time.monotonic() + waits
     settle = deadline if settle_s is None else min(deadline, time.monotonic() + settle_s)
@@ -239,8 +249,9 @@ def place_groups(
         remove_groups(groups)
         why = f"not placed within {waits:g}s on {at_least} distinct nodes{describe_lost(exclude)}"
         raise resource_error(
-            spec, e.placed, f"{problem}; {why}" if problem else why, before, can_grow=not fixed_size, fix=fix
-        ) from None
+            spec, e.placed, f"{problem}; {why}" if problem else why, before, can_grow=not fixed_size, fix=fix,
+            wanted=wanted,
+        ) from None  # fmt: skip
     except BaseException:
         remove_groups(groups)
         raise
@@ -324,8 +335,9 @@ def resolve_nodes(groups: list[PlacementGroup]) -> list[NodeSlot]:
 
 
 def resource_error(
-    spec: LaunchSpec, placed: int, why: str, nodes: str, can_grow: bool, fix: str | None = None
-) -> ResourceError:
+    spec: LaunchSpec, placed: int, why: str, nodes: str, can_grow: bool, fix: str | None = None,
+    wanted: NodeRange | None = None,
+) -> ResourceError:  # fmt: skip
     cpu = "; without GPUs, --device cpu runs the ranks on CPUs (gloo)" if spec.uses_gpus else ""
     fix = (
         (fix + cpu)
@@ -343,7 +355,8 @@ def resource_error(
         )
     )
     return ResourceError(
-        f"the cluster cannot fit {describe_request(spec)}: {why} ({placed} of {spec.nodes} groups placed). "
+        f"the cluster cannot fit {describe_request(spec, wanted)}: {why} "
+        f"({placed} of {spec.nodes} groups placed). "
         f"Cluster before this launch: {nodes}. Lower --nodes / --gpus-per-node / --cpus-per-rank, {fix}"
     )
 
