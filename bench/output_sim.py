@@ -1,9 +1,10 @@
 """The output path at thousands of ranks, simulated on this machine (issue #31): megaray's own
-sink (driver/output/relay.py `OutputSink`) and node forwarders (rank/forwarder.py `NodeForwarder`),
+sink (driver/output/sink.py `OutputSink`) and node forwarders (rank/forwarder.py `NodeForwarder`),
 unchanged, with Ray's calls between them replaced by pipes that keep Ray's semantics for them.
 
-- the sink runs in a process of its own, one call at a time in arrival order (a Ray actor without
-  async methods), each call paying `--rpc-ms` on the way;
+- the sink runs in a process of its own, one call at a time in arrival order (as in the driver's
+  node's forwarder, which holds it: its sink calls never await), each call paying `--rpc-ms` on the
+  way;
 - one process holds every node's forwarder (asyncio, as in the Ray async actor) and every rank: a
   rank's spool grows by the clock at `--lines-per-s` whatever the simulation keeps up with (a spool
   is a file on the rank's node: its backlog is disk, not memory), and its sender keeps one write in
@@ -230,7 +231,7 @@ def _serve_two(a, b, run_dir, node_of_rank, console) -> None:
     the order they arrive, as Ray's actor queue does."""
     import queue
 
-    from launcher.driver.output.relay import OutputSink
+    from launcher.driver.output.sink import OutputSink
 
     sink = OutputSink(run_dir, node_of_rank, console)
     calls: queue.Queue = queue.Queue()

@@ -312,9 +312,9 @@ class Actor:
 
     def __init__(self, cls: type, args: tuple, kwargs: dict, opts: dict[str, Any]):
         self._cls, self._node = cls, _node_of(opts)
-        self._async = any(
+        self._async = cls.__name__ not in OWN_PROCESS and any(
             asyncio.iscoroutinefunction(getattr(cls, m, None)) for m in dir(cls) if not m.startswith("_")
-        )
+        )  # one in a process of its own is called as a serial one, from a thread
         self._inline = issubclass(cls, SimRank)  # its calls are trivial: run on the clock's thread
         self._ready = Ref()
         self._dead: BaseException | None = None
@@ -433,7 +433,9 @@ class Actor:
             ref.set(error=error)
 
 
-OWN_PROCESS = {"OutputSink"}  # actors whose work would hold the driver's GIL here, unlike on a cluster
+# actors whose work would hold the driver's GIL here, unlike on a cluster: the sink, held by the
+# driver's node's forwarder (here no simulated node is the driver's: it forwards no rank's output)
+OWN_PROCESS = {"SinkForwarder"}
 
 
 class ProcessProxy:
@@ -468,13 +470,15 @@ def _serve(conn: Any, cls: type, args: tuple, kwargs: dict) -> None:
         conn.send(e)
         return
     conn.send(None)
+    loop = asyncio.new_event_loop()  # an async actor's methods, run one at a time
     while True:
         try:
             name, a, kw = conn.recv()
         except EOFError:
             return
         try:
-            conn.send((True, getattr(instance, name)(*a, **kw)))
+            value = getattr(instance, name)(*a, **kw)
+            conn.send((True, loop.run_until_complete(value) if asyncio.iscoroutine(value) else value))
         except BaseException as e:
             conn.send((False, e))
 

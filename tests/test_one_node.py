@@ -413,7 +413,8 @@ def test_a_slow_sink_slows_the_sending_not_the_program_and_loses_nothing(tmp_pat
     """Two ranks flood a sink that takes half a second a call, through their node's forwarder: one
     batch in flight for the node, one write in flight per rank, the rest waits in the spools and goes
     in the next batch; every line reaches each rank's log."""
-    from launcher.driver.output.relay import OutputSink, _forwarder_class
+    from launcher.driver.output.relay import _forwarder_class
+    from launcher.driver.output.sink import OutputSink
 
     class SlowSink(OutputSink):
         calls = 0

@@ -10,7 +10,7 @@ from launcher.core.rankenv import decide_env, redact
 from launcher.core.straggler import WaitSample
 from launcher.core.topology import parse_rank_list
 from launcher.driver.output.progress_view import ProgressView
-from launcher.driver.output.relay import OutputSink
+from launcher.driver.output.sink import OutputSink
 
 # One line of Megatron-Bridge's training log (training/utils/train_utils.py, training_log)
 BRIDGE_LINE = (

@@ -1,5 +1,6 @@
 """On each node of a launch: one forwarder (a Ray actor, no CPU reserved) between the node's ranks and
-the driver's output sink (driver/output/relay.py).
+the driver's output sink (driver/output/relay.py), which the driver's node's forwarder holds in its own
+process (driver/output/sink_host.py).
 
 A rank's threads (rank/capture.py, rank/waits.py) call their node's forwarder, never the driver:
 its output, its progress reports and wait samples, and the wait for a graceful stop. The forwarder
@@ -21,7 +22,7 @@ import ray
 
 from ..core.deaths import ProcessEnd
 from ..core.metrics import KEEP_EVERY_S, RankLabels
-from ..core.outbatch import MIN_EVERY_S, Held, Source, batch_bytes, send_every
+from ..core.outbatch import MIN_EVERY_S, Held, OutputBatch, Source, batch_bytes, send_every
 from ..core.straggler import Sample
 from .metrics import RankMetrics
 
@@ -133,7 +134,7 @@ class NodeForwarder:
             room.set()
             try:
                 if batch and not self.failed:
-                    await self.sink.take.remote(batch)
+                    await self._to_sink(batch)
                 if upto is not None:
                     self.acked = max(self.acked, upto)
             except Exception as e:  # the sink is gone: the driver is going too
@@ -149,11 +150,19 @@ class NodeForwarder:
         a loaded machine, which left a crashed rank's last line out of its report)."""
         from .spool import oom_kills, unsent
 
-        received = await self.sink.received_of.remote([source for source, _ in spools])
+        received = await self._sink_received([source for source, _ in spools])
         batch, shipped = unsent(spools, received, True)
         if batch is not None:
-            await self.sink.take.remote(batch)
+            await self._to_sink(batch)
         return {"shipped": shipped, "oom_kills": oom_kills()}
+
+    async def _to_sink(self, batch: OutputBatch) -> None:
+        """One batch into the launch's sink, which the driver's node's forwarder holds in its own
+        process (driver/output/sink_host.py overrides these two)."""
+        await self.sink.take.remote(batch)
+
+    async def _sink_received(self, sources: list[Source]) -> list[int]:
+        return await self.sink.received_of.remote(sources)
 
     @ray.method(concurrency_group=CONTROL)
     async def watch_ends(self, pids: list[int]) -> list[ProcessEnd]:
