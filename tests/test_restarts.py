@@ -135,6 +135,13 @@ def test_a_killed_rank_is_relaunched_and_training_resumes_from_the_last_checkpoi
     assert summary["started_at"] < summary["progress"]["first_report_at"] < summary["ended_at"]
     trained = re.search(r"loss [\d.]+ -> [\d.]+ over (\d+) steps", out)
     assert trained and int(trained.group(1)) == 40 - resumed
+    # where the time went (#47): the parts add up to the run's time, the relaunch and the training in it
+    goodput = summary["goodput"]
+    parts = goodput["seconds"]
+    assert sum(parts.values()) == pytest.approx(summary["duration_s"], rel=0.02), goodput
+    assert parts["training"] > 0 and parts["start-up"] > 0 and parts["restarts"] > 0, goodput
+    assert goodput["ratio"] == pytest.approx(parts["training"] / goodput["wall_s"], abs=1e-3)
+    assert re.search(r"megaray: goodput [\d.]+% of \S+: training \S+, start-up \S+, restarts \S+ \(1\)", out)
     assert leftovers(job) == ([], [])
 
 

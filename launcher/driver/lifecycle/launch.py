@@ -13,6 +13,7 @@ from typing import Any
 
 from ...core.elastic import GrowPolicy, ScalingPolicy
 from ...core.errors import Interrupted, MegarayError, RankFailedError, UsageError
+from ...core.goodput import ledger
 from ...core.outcome import LaunchResult, run_outcome
 from ...core.policy import FailurePolicy
 from ...core.profiles import load_profile
@@ -195,8 +196,12 @@ def _record(
     run: RunDir, spec: LaunchSpec, error: BaseException | None, controller: Controller | None,
     progress: ProgressView,
 ) -> None:  # fmt: skip
-    """summary.json: how the launch ended, its restarts, the states it went through, its timings."""
+    """summary.json: how the launch ended, its restarts, the states it went through, its timings,
+    and where its time went (core/goodput.py), also said in one line where iterations were reported."""
     attempt = controller.last_attempt if controller else None
+    spent = ledger(progress.goodput, run.started, time.time())
+    if spent is not None:
+        log.info("%s", spent.describe())
     run.write_summary(
         job=spec.job_name,
         world_size=attempt.spec.world_size if attempt is not None else spec.world_size,  # the last attempt's
@@ -206,5 +211,6 @@ def _record(
         states=[{"state": s, "at": at} for s, at in controller.history] if controller else [],
         timings=attempt.timings if attempt is not None else {},
         progress={**progress.stats, "first_report_at": progress.first_at} if progress.stats else {},
+        goodput=spent.record() if spent is not None else None,
     )
     log.info("run directory: %s", run.path)

@@ -14,6 +14,7 @@ import sys
 import time
 from typing import Any
 
+from ...core.goodput import GoodputTrack
 from ...core.lifecycle import LaunchObserver, LaunchState
 from ...core.outbatch import STDERR
 from ...core.progress import TrainingFacts, tflops_per_gpu
@@ -52,6 +53,7 @@ class ProgressView(LaunchObserver):
         self.stats: dict[str, Any] = {}
         self.first_at: float | None = None  # when a rank reported the first iteration (time to first step)
         self.restarts = 0
+        self.goodput = GoodputTrack()  # where the launch's time went (core/goodput.py)
 
     def on_state(self, state: LaunchState) -> None:
         """Told by the controller: a relaunch starts its own timing (iterations resume from the last
@@ -59,6 +61,7 @@ class ProgressView(LaunchObserver):
         if state is LaunchState.RESTARTING:
             self.restarts += 1
             self.last = None
+            self.goodput.relaunched()
 
     def update(self, record: dict[str, Any]) -> None:
         """A rank's progress; the same iteration again (another rank's report of it) changes nothing."""
@@ -68,6 +71,7 @@ class ProgressView(LaunchObserver):
         if self.first_at is None:
             self.first_at = record["time"]
         it = record["iteration"]
+        self.goodput.iteration(record["time"], it)
         total = record.get("total") or self.facts.train_iters
         iter_s = record.get("iter_s")
         if iter_s is None and previous and it > previous["iteration"]:

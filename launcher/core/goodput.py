@@ -1,0 +1,136 @@
+"""Goodput: of a launch's wall time, how much trained the model, and where the rest went (issue #47;
+Google's ml-goodput-measurement splits a job's time the same way, from the job's own records).
+
+Worked out from what the driver already sees, without processes: when the launch began and ended,
+when each attempt began, and the iterations the ranks reported (Megatron's log lines, or
+`launcher.report()`), each with its time. The parts add up to the wall time:
+
+- training: from an attempt's first reported iteration to its last, less what was recomputed;
+- start-up: from the launch's start to the first attempt's first iteration (placement, the
+  processes' start, imports, the model's build, the first iteration itself);
+- restarts: from an attempt's last iteration to the next one's first (finding the failure, the
+  teardown, the relaunch and its start-up), for a failure or a grow alike;
+- recomputed: iterations an attempt made again after resuming from a checkpoint older than what an
+  earlier attempt had reached (at that attempt's own time per iteration);
+- idle: after the last iteration (the processes' exit, the teardown) and what no record covers.
+
+Not seen yet, counted as training: checkpoint saves (their time is inside the iterations' times),
+a straggler's slowing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+
+class Cause(StrEnum):
+    TRAINING = "training"
+    STARTUP = "start-up"
+    RESTARTS = "restarts"
+    RECOMPUTED = "recomputed"
+    IDLE = "idle"
+
+
+@dataclass(frozen=True)
+class Reported:
+    """An iteration a rank said it finished, and when (wall clock)."""
+
+    at: float
+    iteration: int
+
+
+@dataclass
+class AttemptTrack:
+    """One attempt's reported iterations, in the order they came (each higher than the last)."""
+
+    reported: list[Reported] = field(default_factory=list)
+
+
+class GoodputTrack:
+    """Fed as the launch runs (driver/output/progress_view.py): each relaunch, each new iteration
+    reported."""
+
+    def __init__(self):
+        self.attempts: list[AttemptTrack] = [AttemptTrack()]
+
+    def relaunched(self) -> None:
+        self.attempts.append(AttemptTrack())
+
+    def iteration(self, at: float, iteration: int) -> None:
+        self.attempts[-1].reported.append(Reported(at, iteration))
+
+
+@dataclass(frozen=True)
+class Ledger:
+    """Seconds by cause, adding up to `wall_s`; `restarts` relaunches among them."""
+
+    wall_s: float
+    seconds: dict[Cause, float]
+    restarts: int
+
+    def __post_init__(self):
+        total = sum(self.seconds.values())
+        if abs(total - self.wall_s) > 1e-6 * max(1.0, self.wall_s):
+            raise ValueError(
+                f"the ledger's parts add up to {total:.3f} s, not the wall time {self.wall_s:.3f} s"
+            )
+
+    @property
+    def ratio(self) -> float:
+        return self.seconds[Cause.TRAINING] / self.wall_s if self.wall_s > 0 else 0.0
+
+    def record(self) -> dict[str, object]:
+        """For summary.json."""
+        return {
+            "ratio": round(self.ratio, 4),
+            "wall_s": round(self.wall_s, 3),
+            "seconds": {cause.value: round(s, 3) for cause, s in self.seconds.items()},
+            "not_seen": "checkpoint saves and a straggler's slowing are counted as training",
+        }
+
+    def describe(self) -> str:
+        """The run's one line: `goodput 87.3% of 5m02s: training 4m24s, start-up 21s, ...`."""
+        parts = [
+            f"{cause.value} {_duration(s)}" + (f" ({self.restarts})" if cause is Cause.RESTARTS else "")
+            for cause, s in self.seconds.items()
+            if s >= 0.05 or cause is Cause.TRAINING
+        ]
+        return f"goodput {100 * self.ratio:.1f}% of {_duration(self.wall_s)}: {', '.join(parts)}"
+
+
+def _duration(s: float) -> str:
+    if s < 60:
+        return f"{s:.1f}s"
+    m, sec = divmod(round(s), 60)
+    return f"{m}m{sec:02d}s" if m < 60 else f"{m // 60}h{m % 60:02d}m"
+
+
+def ledger(track: GoodputTrack, began: float, ended: float) -> Ledger | None:
+    """The ledger of a launch from `began` to `ended` (wall clock); None where no iteration was
+    reported (a plain program that never calls `report()`: nothing to count)."""
+    attempts = [a for a in track.attempts if a.reported]
+    if not attempts:
+        return None
+    wall = max(0.0, ended - began)
+    seconds = dict.fromkeys(Cause, 0.0)
+    reached = 0  # the highest iteration any earlier attempt reported
+    previous_last: float | None = None
+    for attempt in attempts:
+        first, last = attempt.reported[0], attempt.reported[-1]
+        gap = max(0.0, first.at - (began if previous_last is None else previous_last))
+        seconds[Cause.STARTUP if previous_last is None else Cause.RESTARTS] += gap
+        span = max(0.0, last.at - first.at)
+        made = last.iteration - first.iteration
+        again = max(0, min(last.iteration, reached) - first.iteration)
+        recomputed = span * again / made if made > 0 else 0.0
+        seconds[Cause.RECOMPUTED] += recomputed
+        seconds[Cause.TRAINING] += span - recomputed
+        reached = max(reached, last.iteration)
+        previous_last = last.at
+    idle = wall - sum(seconds.values())
+    if idle < 0:  # a rank's clock ahead of the driver's (another machine's): off the training
+        seconds[Cause.TRAINING] = max(0.0, seconds[Cause.TRAINING] + idle)
+        idle = 0.0
+    seconds[Cause.IDLE] = idle
+    return Ledger(max(wall, sum(seconds.values())), seconds, restarts=len(track.attempts) - 1)

@@ -1,0 +1,62 @@
+"""The goodput ledger (core/goodput.py, #47): a launch's wall time split by cause, worked out from
+when it began and ended and the iterations its ranks reported; the parts add up to the wall time."""
+
+from __future__ import annotations
+
+import pytest
+
+from launcher.core.goodput import Cause, GoodputTrack, Ledger, ledger
+
+
+def _track(*attempts: list[tuple[float, int]]) -> GoodputTrack:
+    track = GoodputTrack()
+    for n, reported in enumerate(attempts):
+        if n:
+            track.relaunched()
+        for at, iteration in reported:
+            track.iteration(at, iteration)
+    return track
+
+
+def test_one_attempt_is_start_up_training_and_the_end():
+    spent = ledger(_track([(10.0, 1), (15.0, 6), (20.0, 11)]), began=0.0, ended=25.0)
+    assert spent.seconds == {
+        Cause.TRAINING: 10.0, Cause.STARTUP: 10.0, Cause.RESTARTS: 0.0, Cause.RECOMPUTED: 0.0,
+        Cause.IDLE: 5.0,
+    }  # fmt: skip
+    assert spent.ratio == pytest.approx(0.4) and spent.restarts == 0
+    assert spent.describe() == "goodput 40.0% of 25.0s: training 10.0s, start-up 10.0s, idle 5.0s"
+
+
+def test_a_restart_from_an_older_checkpoint_counts_the_relaunch_and_the_iterations_made_again():
+    # 1 s an iteration; failed after 50; resumed from the checkpoint at 30: 31..50 made again
+    first = [(10.0, 1), (59.0, 50)]
+    second = [(80.0, 31), (149.0, 100)]
+    spent = ledger(_track(first, second), began=0.0, ended=150.0)
+    assert spent.seconds == {
+        Cause.TRAINING: 49.0 + 50.0, Cause.STARTUP: 10.0, Cause.RESTARTS: 21.0, Cause.RECOMPUTED: 19.0,
+        Cause.IDLE: 1.0,
+    }  # fmt: skip
+    assert sum(spent.seconds.values()) == pytest.approx(spent.wall_s) == 150.0
+    assert spent.restarts == 1
+    assert spent.record()["seconds"] == {"training": 99.0, "start-up": 10.0, "restarts": 21.0,
+                                         "recomputed": 19.0, "idle": 1.0}  # fmt: skip
+    assert "restarts 21.0s (1)" in spent.describe()
+
+
+def test_an_attempt_that_failed_before_its_first_iteration_is_part_of_the_restart():
+    spent = ledger(_track([(10.0, 1), (20.0, 11)], [], [(60.0, 12), (70.0, 22)]), began=0.0, ended=70.0)
+    assert spent.seconds[Cause.RESTARTS] == 40.0 and spent.restarts == 2
+    assert spent.seconds[Cause.RECOMPUTED] == 0.0  # it resumed where the first had reached
+
+
+def test_nothing_reported_is_no_ledger_and_a_clock_ahead_is_taken_off_the_training():
+    assert ledger(_track([]), began=0.0, ended=10.0) is None
+    # a rank's clock 2 s ahead of the driver's: its last report "after" the end
+    spent = ledger(_track([(5.0, 1), (12.0, 8)]), began=0.0, ended=10.0)
+    assert spent.wall_s == 10.0 and spent.seconds[Cause.TRAINING] == 5.0 and spent.seconds[Cause.IDLE] == 0.0
+
+
+def test_a_ledger_whose_parts_do_not_add_up_is_refused_with_the_numbers():
+    with pytest.raises(ValueError, match=r"add up to 3\.000 s, not the wall time 4\.000 s"):
+        Ledger(4.0, {Cause.TRAINING: 3.0}, restarts=0)
