@@ -60,3 +60,12 @@ def test_nothing_reported_is_no_ledger_and_a_clock_ahead_is_taken_off_the_traini
 def test_a_ledger_whose_parts_do_not_add_up_is_refused_with_the_numbers():
     with pytest.raises(ValueError, match=r"add up to 3\.000 s, not the wall time 4\.000 s"):
         Ledger(4.0, {Cause.TRAINING: 3.0}, restarts=0)
+
+
+def test_while_the_launch_runs_the_iteration_in_flight_is_training_and_a_pending_relaunch_a_restart():
+    running = ledger(_track([(10.0, 1), (20.0, 11)]), began=0.0, ended=25.0, live=True)
+    assert (running.seconds[Cause.TRAINING], running.seconds[Cause.IDLE]) == (15.0, 0.0)
+    for live in (True, False):  # failed at 20 s, relaunched, nothing reported yet at 30 s
+        pending = ledger(_track([(10.0, 1), (20.0, 11)], []), began=0.0, ended=30.0, live=live)
+        seen = (pending.seconds[Cause.RESTARTS], pending.seconds[Cause.IDLE], pending.restarts)
+        assert seen == (10.0, 0.0, 1)

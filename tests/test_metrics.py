@@ -51,6 +51,7 @@ def test_the_dashboard_is_grafana_json_with_rays_datasource_convention():
     assert {p["datasource"] for p in panels} == {"${datasource}"}
     assert [p["title"] for p in board["panels"] if p["type"] == "row"] == [
         "Is it training?", "How fast?", "Is one rank or node slow?", "Is it failing?",
+        "Where did the time go?",
     ]  # fmt: skip
     assert all(t["expr"].count("ray_megaray_") for p in panels for t in p["targets"])
 
@@ -135,6 +136,11 @@ def test_a_real_prometheus_holds_every_ranks_metrics_and_the_job_state_and_every
         assert [(r["metric"]["kind"], r["value"][1]) for r in restarts] == [("failure", "1")]
         world = prom.query(f'ray_megaray_job_world_size{{megaray_job="{JOB}"}}')
         assert [r["value"][1] for r in world] == ["4"]
+        # where the time went so far (#47): the relaunch, and training on both sides of it
+        goodput = prom.query(f'ray_megaray_job_goodput_seconds{{megaray_job="{JOB}"}}')
+        spent = {r["metric"]["cause"]: float(r["value"][1]) for r in goodput}
+        assert sorted(spent) == ["idle", "recomputed", "restarts", "start-up", "training"], spent
+        assert spent["restarts"] > 0 and spent["training"] > 0 and spent["start-up"] > 0, spent
         steps = prom.query(per_rank[0])
         assert all(0.15 < float(r["value"][1]) < 2.0 for r in steps), steps  # it reports every 0.2 s
         # the state did not change since, yet stays: Ray drops a gauge value not set for two of its

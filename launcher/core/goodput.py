@@ -12,7 +12,7 @@ when each attempt began, and the iterations the ranks reported (Megatron's log l
   teardown, the relaunch and its start-up), for a failure or a grow alike;
 - recomputed: iterations an attempt made again after resuming from a checkpoint older than what an
   earlier attempt had reached (at that attempt's own time per iteration);
-- idle: after the last iteration (the processes' exit, the teardown) and what no record covers.
+- idle: after the last iteration, once the launch ended (the processes' exit, the teardown).
 
 Not seen yet, counted as training: checkpoint saves (their time is inside the iterations' times),
 a straggler's slowing.
@@ -20,7 +20,7 @@ a straggler's slowing.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import StrEnum
 
 
@@ -42,9 +42,11 @@ class Reported:
 
 @dataclass
 class AttemptTrack:
-    """One attempt's reported iterations, in the order they came (each higher than the last)."""
+    """One attempt's first and last reported iterations (each report higher than the one before):
+    all the ledger needs, whatever the run's length."""
 
-    reported: list[Reported] = field(default_factory=list)
+    first: Reported | None = None
+    last: Reported | None = None
 
 
 class GoodputTrack:
@@ -58,7 +60,10 @@ class GoodputTrack:
         self.attempts.append(AttemptTrack())
 
     def iteration(self, at: float, iteration: int) -> None:
-        self.attempts[-1].reported.append(Reported(at, iteration))
+        attempt = self.attempts[-1]
+        attempt.last = Reported(at, iteration)
+        if attempt.first is None:
+            attempt.first = attempt.last
 
 
 @dataclass(frozen=True)
@@ -106,18 +111,19 @@ def _duration(s: float) -> str:
     return f"{m}m{sec:02d}s" if m < 60 else f"{m // 60}h{m % 60:02d}m"
 
 
-def ledger(track: GoodputTrack, began: float, ended: float) -> Ledger | None:
+def ledger(track: GoodputTrack, began: float, ended: float, live: bool = False) -> Ledger | None:
     """The ledger of a launch from `began` to `ended` (wall clock); None where no iteration was
-    reported (a plain program that never calls `report()`: nothing to count)."""
-    attempts = [a for a in track.attempts if a.reported]
+    reported (a plain program that never calls `report()`: nothing to count). The time after the last
+    report is the end's (idle) once the launch ended; `live` (while it runs), the iteration in flight
+    (training). Either way, after a relaunch that has not reported yet it is the restart's."""
+    attempts = [(a.first, a.last) for a in track.attempts if a.first is not None and a.last is not None]
     if not attempts:
         return None
     wall = max(0.0, ended - began)
     seconds = dict.fromkeys(Cause, 0.0)
     reached = 0  # the highest iteration any earlier attempt reported
     previous_last: float | None = None
-    for attempt in attempts:
-        first, last = attempt.reported[0], attempt.reported[-1]
+    for first, last in attempts:
         gap = max(0.0, first.at - (began if previous_last is None else previous_last))
         seconds[Cause.STARTUP if previous_last is None else Cause.RESTARTS] += gap
         span = max(0.0, last.at - first.at)
@@ -128,9 +134,10 @@ def ledger(track: GoodputTrack, began: float, ended: float) -> Ledger | None:
         seconds[Cause.TRAINING] += span - recomputed
         reached = max(reached, last.iteration)
         previous_last = last.at
-    idle = wall - sum(seconds.values())
-    if idle < 0:  # a rank's clock ahead of the driver's (another machine's): off the training
-        seconds[Cause.TRAINING] = max(0.0, seconds[Cause.TRAINING] + idle)
-        idle = 0.0
-    seconds[Cause.IDLE] = idle
+    rest = wall - sum(seconds.values())
+    if rest < 0:  # a rank's clock ahead of the driver's (another machine's): off the training
+        seconds[Cause.TRAINING] = max(0.0, seconds[Cause.TRAINING] + rest)
+        rest = 0.0
+    reporting = track.attempts[-1].first is not None
+    seconds[Cause.RESTARTS if not reporting else Cause.TRAINING if live else Cause.IDLE] += rest
     return Ledger(max(wall, sum(seconds.values())), seconds, restarts=len(track.attempts) - 1)

@@ -20,6 +20,7 @@ from enum import StrEnum
 from typing import Any
 
 from .errors import FailureKind
+from .goodput import Cause
 from .layout import ParallelDims
 from .lifecycle import LaunchState, RestartKind
 from .progress import tflops_per_gpu
@@ -118,6 +119,8 @@ JOB_TOKENS_PER_S = "megaray_job_tokens_per_second"
 JOB_TFLOPS = "megaray_job_tflops_per_gpu"
 JOB_MFU = "megaray_job_mfu"
 JOB_LAST_PROGRESS = "megaray_job_last_progress_timestamp_seconds"
+JOB_GOODPUT_SECONDS = "megaray_job_goodput_seconds"
+JOB_GOODPUT = "megaray_job_goodput_ratio"
 
 JOB_METRICS: dict[str, JobMetric] = {
     m.name: m
@@ -141,6 +144,12 @@ JOB_METRICS: dict[str, JobMetric] = {
         JobMetric(
             JOB_LAST_PROGRESS, "Unix time of the training's last progress (seconds since: time() - it)"
         ),
+        JobMetric(
+            JOB_GOODPUT_SECONDS,
+            "The launch's seconds so far by where they went (training, start-up, restarts, recomputed, idle)",
+            labels=(JOB, "cause"),
+        ),
+        JobMetric(JOB_GOODPUT, "The share of the launch's time so far that trained the model"),
     )
 }
 
@@ -226,7 +235,10 @@ def series_count(world_size: int, nodes: int, mode: MetricsMode) -> int:
     if mode is MetricsMode.OFF:
         return 0
     per = world_size if mode is MetricsMode.RANK else nodes
-    by_kind = {JOB_STATE: len(LaunchState), JOB_FAILURES: len(FailureKind), JOB_RESTARTS: len(RestartKind)}
+    by_kind = {
+        JOB_STATE: len(LaunchState), JOB_FAILURES: len(FailureKind), JOB_RESTARTS: len(RestartKind),
+        JOB_GOODPUT_SECONDS: len(Cause),
+    }  # fmt: skip
     return per * len(RANK_METRICS) + sum(by_kind.get(name, 1) for name in JOB_METRICS)
 
 

@@ -133,7 +133,10 @@ def _run(
 
             ctx = LaunchContext(
                 spec, cluster, profile, stop, run, progress,
-                metrics=JobMetrics(spec.job_name, spec.metrics),  # once connected: Ray exports them
+                metrics=JobMetrics(  # once connected: Ray exports them
+                    spec.job_name, spec.metrics,
+                    goodput=lambda: ledger(progress.goodput, run.started, time.time(), live=True),
+                ),
                 scaling=ScalingPolicy(  # with --nodes MIN:MAX
                     spec.node_range,
                     lambda nodes: runner.size_problem(spec, plan(), nodes),
@@ -164,7 +167,7 @@ def _run(
                     e.ending = f"{UP_STOPPED} {e.ending}".strip()
                 raise
             finally:
-                ctx.metrics.close()
+                ctx.metrics.close(ledger(progress.goodput, run.started, time.time()))
                 from ..cluster.pool import refill
 
                 refill(runner.warm_imports(spec.target))

@@ -15,10 +15,13 @@ from collections.abc import Callable
 from typing import Any
 
 from ...core.errors import RankFailedError
+from ...core.goodput import Ledger
 from ...core.lifecycle import LaunchObserver, LaunchState, Restart
 from ...core.metrics import (
     JOB,
     JOB_FAILURES,
+    JOB_GOODPUT,
+    JOB_GOODPUT_SECONDS,
     JOB_ITERATION,
     JOB_LAST_PROGRESS,
     JOB_LOSS,
@@ -61,8 +64,12 @@ class JobMetrics(LaunchObserver):
     (Ray's exporter drops a gauge not set lately: a launch waiting minutes for placement must still
     say so) until `close()`."""
 
-    def __init__(self, job: str, mode: MetricsMode, clock: Callable[[], float] = time.time):
-        self.job, self.mode, self.clock = job, mode, clock
+    def __init__(
+        self, job: str, mode: MetricsMode, clock: Callable[[], float] = time.time,
+        goodput: Callable[[], Ledger | None] = lambda: None,
+    ):  # fmt: skip
+        """`goodput`: the launch's ledger so far (core/goodput.py), set again with the other values."""
+        self.job, self.mode, self.clock, self.goodput = job, mode, clock, goodput
         self.tags = {JOB: job}
         self.kept: Kept | None = None
         if mode is not MetricsMode.OFF:
@@ -82,13 +89,23 @@ class JobMetrics(LaunchObserver):
 
     def _keep(self) -> None:
         while not self.done.wait(KEEP_EVERY_S):
+            self.spent(self.goodput())
             self.kept.keep()
 
-    def close(self) -> None:
-        """The last values set (the state the launch ended in), and no more."""
+    def close(self, spent: Ledger | None = None) -> None:
+        """The last values set (the state the launch ended in, its final ledger), and no more."""
         self.done.set()
         if self.kept is not None:
+            self.spent(spent)
             self.kept.keep()
+
+    def spent(self, ledger: Ledger | None) -> None:
+        """Where the launch's time went so far (core/goodput.py): nothing before a first report."""
+        if ledger is None:
+            return
+        for cause, seconds in ledger.seconds.items():
+            self._set(JOB_GOODPUT_SECONDS, seconds, cause=cause.value)
+        self._set(JOB_GOODPUT, ledger.ratio)
 
     def _set(self, name: str, value: float, **labels: str) -> None:
         if self.kept is not None:
