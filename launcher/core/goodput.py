@@ -2,8 +2,8 @@
 Google's ml-goodput-measurement splits a job's time the same way, from the job's own records).
 
 Worked out from what the driver already sees, without processes: when the launch began and ended,
-when each attempt began, and the iterations the ranks reported (Megatron's log lines, or
-`launcher.report()`), each with its time. The parts add up to the wall time:
+each relaunch, and the iterations the ranks reported (Megatron's log lines, or `launcher.report()`),
+each with its time. The parts add up to the wall time:
 
 - training: from an attempt's first reported iteration to its last, less what was recomputed;
 - start-up: from the launch's start to the first attempt's first iteration (placement, the
@@ -22,6 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import StrEnum
+
+from .progress import duration
 
 
 class Cause(StrEnum):
@@ -97,18 +99,13 @@ class Ledger:
     def describe(self) -> str:
         """The run's one line: `goodput 87.3% of 5m02s: training 4m24s, start-up 21s, ...`."""
         parts = [
-            f"{cause.value} {_duration(s)}" + (f" ({self.restarts})" if cause is Cause.RESTARTS else "")
+            f"{cause.value} {duration(s, tenths=True)}"
+            + (f" ({self.restarts})" if cause is Cause.RESTARTS else "")
             for cause, s in self.seconds.items()
             if s >= 0.05 or cause is Cause.TRAINING
         ]
-        return f"goodput {100 * self.ratio:.1f}% of {_duration(self.wall_s)}: {', '.join(parts)}"
-
-
-def _duration(s: float) -> str:
-    if s < 60:
-        return f"{s:.1f}s"
-    m, sec = divmod(round(s), 60)
-    return f"{m}m{sec:02d}s" if m < 60 else f"{m // 60}h{m % 60:02d}m"
+        wall = duration(self.wall_s, tenths=True)
+        return f"goodput {100 * self.ratio:.1f}% of {wall}: {', '.join(parts)}"
 
 
 def ledger(track: GoodputTrack, began: float, ended: float, live: bool = False) -> Ledger | None:

@@ -45,6 +45,16 @@ def parse_megatron_line(line: str) -> dict[str, Any] | None:
     return record
 
 
+def duration(seconds: float, tenths: bool = False) -> str:
+    """`1h02m`, `4m10s`, `7s` (`tenths`: `7.2s` under a minute), for the progress line and goodput."""
+    if tenths and seconds < 59.95:
+        return f"{seconds:.1f}s"
+    s = int(seconds + 0.5)
+    h, rem = divmod(s, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
+
+
 def parse_checkpoint_line(line: str) -> int | None:
     """The iteration of a checkpoint the line says was saved, or None."""
     m = _SAVED.search(line)

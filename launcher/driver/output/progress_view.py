@@ -17,16 +17,9 @@ from typing import Any
 from ...core.goodput import GoodputTrack
 from ...core.lifecycle import LaunchObserver, LaunchState
 from ...core.outbatch import STDERR
-from ...core.progress import TrainingFacts, tflops_per_gpu
+from ...core.progress import TrainingFacts, duration, tflops_per_gpu
 
 log = logging.getLogger("megaray")
-
-
-def _duration(seconds: float) -> str:
-    s = int(seconds + 0.5)
-    h, rem = divmod(s, 3600)
-    m, s = divmod(rem, 60)
-    return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
 def _si(x: float) -> str:
@@ -113,7 +106,7 @@ class ProgressView(LaunchObserver):
                 f"{s['tflops_per_gpu']:.1f} TFLOP/s/GPU ({100 * s['mfu']:.1f}% MFU of {self.peak:g})"
             )
         if "eta_s" in s:
-            parts.append(f"ETA {_duration(s['eta_s'])}")
+            parts.append(f"ETA {duration(s['eta_s'])}")
         if self.restarts:
             parts.append(f"restart {self.restarts}")
         return " | ".join(parts)
