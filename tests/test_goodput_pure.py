@@ -29,19 +29,20 @@ def test_one_attempt_is_start_up_training_and_the_end():
 
 
 def test_a_restart_from_an_older_checkpoint_counts_the_relaunch_and_the_iterations_made_again():
-    # 1 s an iteration; failed after 50; resumed from the checkpoint at 30: 31..50 made again
+    # 1 s an iteration; failed after 50; resumed from the checkpoint at 30: 31..50 made again, the
+    # 31st (reported at 80 s) included
     first = [(10.0, 1), (59.0, 50)]
     second = [(80.0, 31), (149.0, 100)]
     spent = ledger(_track(first, second), began=0.0, ended=150.0)
     assert spent.seconds == {
-        Cause.TRAINING: 49.0 + 50.0, Cause.STARTUP: 10.0, Cause.RESTARTS: 21.0, Cause.RECOMPUTED: 19.0,
+        Cause.TRAINING: 49.0 + 50.0, Cause.STARTUP: 10.0, Cause.RESTARTS: 20.0, Cause.RECOMPUTED: 20.0,
         Cause.IDLE: 1.0,
     }  # fmt: skip
     assert sum(spent.seconds.values()) == pytest.approx(spent.wall_s) == 150.0
     assert spent.restarts == 1
-    assert spent.record()["seconds"] == {"training": 99.0, "start-up": 10.0, "restarts": 21.0,
-                                         "recomputed": 19.0, "idle": 1.0}  # fmt: skip
-    assert "restarts 21.0s (1)" in spent.describe()
+    assert spent.record()["seconds"] == {"training": 99.0, "start-up": 10.0, "restarts": 20.0,
+                                         "recomputed": 20.0, "idle": 1.0}  # fmt: skip
+    assert "restarts 20.0s (1)" in spent.describe()
 
 
 def test_an_attempt_that_failed_before_its_first_iteration_is_part_of_the_restart():

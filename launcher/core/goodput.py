@@ -11,7 +11,8 @@ each with its time. The parts add up to the wall time:
 - restarts: from an attempt's last iteration to the next one's first (finding the failure, the
   teardown, the relaunch and its start-up), for a failure or a grow alike;
 - recomputed: iterations an attempt made again after resuming from a checkpoint older than what an
-  earlier attempt had reached (at that attempt's own time per iteration);
+  earlier attempt had reached, the first of them included (at that attempt's own time per
+  iteration);
 - idle: after the last iteration, once the launch ended (the processes' exit, the teardown).
 
 Not seen yet, counted as training: checkpoint saves (their time is inside the iterations' times),
@@ -122,11 +123,16 @@ def ledger(track: GoodputTrack, began: float, ended: float, live: bool = False) 
     previous_last: float | None = None
     for first, last in attempts:
         gap = max(0.0, first.at - (began if previous_last is None else previous_last))
-        seconds[Cause.STARTUP if previous_last is None else Cause.RESTARTS] += gap
         span = max(0.0, last.at - first.at)
         made = last.iteration - first.iteration
         again = max(0, min(last.iteration, reached) - first.iteration)
         recomputed = span * again / made if made > 0 else 0.0
+        if previous_last is not None and first.iteration <= reached and made > 0:
+            # the first iteration reported, itself made again, ended the gap: its time is recomputed
+            own = min(gap, span / made)
+            gap, recomputed = gap - own, recomputed + own
+            span += own
+        seconds[Cause.STARTUP if previous_last is None else Cause.RESTARTS] += gap
         seconds[Cause.RECOMPUTED] += recomputed
         seconds[Cause.TRAINING] += span - recomputed
         reached = max(reached, last.iteration)
