@@ -22,7 +22,7 @@ def test_one_attempt_is_start_up_training_and_the_end():
     spent = ledger(_track([(10.0, 1), (15.0, 6), (20.0, 11)]), began=0.0, ended=25.0)
     assert spent.seconds == {
         Cause.TRAINING: 10.0, Cause.STARTUP: 10.0, Cause.RESTARTS: 0.0, Cause.RECOMPUTED: 0.0,
-        Cause.IDLE: 5.0,
+        Cause.STRAGGLER: 0.0, Cause.IDLE: 5.0,
     }  # fmt: skip
     assert spent.ratio == pytest.approx(0.4) and spent.restarts == 0
     assert spent.describe() == "goodput 40.0% of 25.0s: training 10.0s, start-up 10.0s, idle 5.0s"
@@ -36,12 +36,12 @@ def test_a_restart_from_an_older_checkpoint_counts_the_relaunch_and_the_iteratio
     spent = ledger(_track(first, second), began=0.0, ended=150.0)
     assert spent.seconds == {
         Cause.TRAINING: 49.0 + 50.0, Cause.STARTUP: 10.0, Cause.RESTARTS: 20.0, Cause.RECOMPUTED: 20.0,
-        Cause.IDLE: 1.0,
+        Cause.STRAGGLER: 0.0, Cause.IDLE: 1.0,
     }  # fmt: skip
     assert sum(spent.seconds.values()) == pytest.approx(spent.wall_s) == 150.0
     assert spent.restarts == 1
     assert spent.record()["seconds"] == {"training": 99.0, "start-up": 10.0, "restarts": 20.0,
-                                         "recomputed": 20.0, "idle": 1.0}  # fmt: skip
+                                         "recomputed": 20.0, "straggler": 0.0, "idle": 1.0}  # fmt: skip
     assert "restarts 20.0s (1)" in spent.describe()
 
 
@@ -70,3 +70,21 @@ def test_while_the_launch_runs_the_iteration_in_flight_is_training_and_a_pending
         pending = ledger(_track([(10.0, 1), (20.0, 11)], []), began=0.0, ended=30.0, live=live)
         seen = (pending.seconds[Cause.RESTARTS], pending.seconds[Cause.IDLE], pending.restarts)
         assert seen == (10.0, 0.0, 1)
+
+
+def test_a_named_straggler_costs_the_share_of_its_slowness_while_it_was_slow_and_the_job_trained():
+    track = _track([(10.0, 1), (110.0, 101)])
+    track.straggler(3, since=50.0, slowdown=4.0)  # the job went at a quarter of its pace: 3/4 lost
+    track.recovered(3, until=70.0)
+    track.straggler(5, since=100.0, slowdown=2.0)  # still slow at the end: until the last iteration
+    spent = ledger(track, began=0.0, ended=120.0)
+    assert spent.seconds[Cause.STRAGGLER] == pytest.approx(20 * 0.75 + 10 * 0.5)
+    assert spent.seconds[Cause.TRAINING] == pytest.approx(100 - 20.0)
+    assert sum(spent.seconds.values()) == pytest.approx(120.0)
+    assert "straggler 20.0s" in spent.describe()
+    # a relaunch ends what was named in the attempt before: not counted in the next one's training
+    track.relaunched()
+    track.iteration(130.0, 102)
+    track.iteration(150.0, 122)
+    again = ledger(track, began=0.0, ended=150.0)
+    assert again.seconds[Cause.STRAGGLER] == pytest.approx(20.0)

@@ -369,6 +369,9 @@ def test_the_megatron_target_names_a_rank_whose_forward_steps_are_slow_and_nobod
     assert record["rank"] == 2 and record["stage"] == 0, record
     assert record["step_s"] > 2 * record["peers_step_s"], record  # 4x, measured roughly
     assert record["since"] >= slowed_at  # nobody while balanced
+    # what it cost, in the goodput ledger (#47): a share of the training while it was slow
+    spent = json.loads((tmp_path / job / "summary.json").read_text())["goodput"]["seconds"]
+    assert 0 < spent["straggler"] < spent["training"], spent
 
 
 def test_nodes_min_max_starts_on_what_the_cluster_holds_and_goes_on_with_fewer_after_a_lost_node(

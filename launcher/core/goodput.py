@@ -13,10 +13,11 @@ each with its time. The parts add up to the wall time:
 - recomputed: iterations an attempt made again after resuming from a checkpoint older than what an
   earlier attempt had reached, the first of them included (at that attempt's own time per
   iteration);
+- straggler: of the training while a rank was named slow (driver/supervision/stragglers.py), the
+  share its slowness cost (`1 - 1/slowdown` of each second: the job went at its pace);
 - idle: after the last iteration, once the launch ended (the processes' exit, the teardown).
 
-Not seen yet, counted as training: checkpoint saves (their time is inside the iterations' times),
-a straggler's slowing.
+Not seen yet, counted as training: checkpoint saves (their time is inside the iterations' times).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class Cause(StrEnum):
     STARTUP = "start-up"
     RESTARTS = "restarts"
     RECOMPUTED = "recomputed"
+    STRAGGLER = "straggler"
     IDLE = "idle"
 
 
@@ -52,15 +54,38 @@ class AttemptTrack:
     last: Reported | None = None
 
 
+@dataclass
+class Slowed:
+    """A rank named slow (driver/supervision/stragglers.py) from `since` until `until` (None: still),
+    `slowdown` times its peers' time per step."""
+
+    since: float
+    slowdown: float
+    until: float | None = None
+
+
 class GoodputTrack:
-    """Fed as the launch runs (driver/output/progress_view.py): each relaunch, each new iteration
-    reported."""
+    """Fed as the launch runs: each relaunch and each new iteration reported (the progress view,
+    driver/output/progress_view.py), each straggler named and recovered (its watch)."""
 
     def __init__(self):
         self.attempts: list[AttemptTrack] = [AttemptTrack()]
+        self.slowed: list[Slowed] = []
+        self.open: dict[int, Slowed] = {}  # by rank: named and not recovered
 
     def relaunched(self) -> None:
+        last = self.attempts[-1].last
+        for rank, slowed in list(self.open.items()):  # ended with its attempt
+            self.recovered(rank, last.at if last is not None else slowed.since)
         self.attempts.append(AttemptTrack())
+
+    def straggler(self, rank: int, since: float, slowdown: float) -> None:
+        self.open[rank] = Slowed(since, slowdown)
+        self.slowed.append(self.open[rank])
+
+    def recovered(self, rank: int, until: float) -> None:
+        if (slowed := self.open.pop(rank, None)) is not None:
+            slowed.until = max(until, slowed.since)
 
     def iteration(self, at: float, iteration: int) -> None:
         attempt = self.attempts[-1]
@@ -94,7 +119,7 @@ class Ledger:
             "ratio": round(self.ratio, 4),
             "wall_s": round(self.wall_s, 3),
             "seconds": {cause.value: round(s, 3) for cause, s in self.seconds.items()},
-            "not_seen": "checkpoint saves and a straggler's slowing are counted as training",
+            "not_seen": "checkpoint saves are counted as training",
         }
 
     def describe(self) -> str:
@@ -143,4 +168,22 @@ def ledger(track: GoodputTrack, began: float, ended: float, live: bool = False) 
         rest = 0.0
     reporting = track.attempts[-1].first is not None
     seconds[Cause.RESTARTS if not reporting else Cause.TRAINING if live else Cause.IDLE] += rest
+    windows = [(first.at, last.at) for first, last in attempts]
+    if live and reporting:  # the iteration in flight
+        windows[-1] = (windows[-1][0], max(windows[-1][1], ended))
+    slowed = min(seconds[Cause.TRAINING], _slowed_s(track.slowed, windows, ended))
+    seconds[Cause.TRAINING] -= slowed
+    seconds[Cause.STRAGGLER] += slowed
     return Ledger(max(wall, sum(seconds.values())), seconds, restarts=len(track.attempts) - 1)
+
+
+def _slowed_s(slowed: list[Slowed], windows: list[tuple[float, float]], ended: float) -> float:
+    """What the named stragglers cost the training: while one was slow, the job went at its pace, not
+    its peers' (one rank `slowdown` times slower makes every step that much longer, its peers waiting
+    in the collectives), so of each such second `1 - 1/slowdown` was lost."""
+    lost = 0.0
+    for s in slowed:
+        until = ended if s.until is None else s.until
+        overlap = sum(max(0.0, min(until, b) - max(s.since, a)) for a, b in windows)
+        lost += overlap * max(0.0, 1.0 - 1.0 / s.slowdown) if s.slowdown > 0 else 0.0
+    return lost

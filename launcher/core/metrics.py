@@ -146,7 +146,7 @@ JOB_METRICS: dict[str, JobMetric] = {
         ),
         JobMetric(
             JOB_GOODPUT_SECONDS,
-            "The launch's seconds so far by where they went (training, start-up, restarts, recomputed, idle)",
+            "The launch's seconds so far by where they went (core/goodput.py Cause)",
             labels=(JOB, "cause"),
         ),
         JobMetric(JOB_GOODPUT, "The share of the launch's time so far that trained the model"),

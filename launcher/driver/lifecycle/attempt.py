@@ -55,6 +55,7 @@ def relay_for(ctx: LaunchContext, spec: LaunchSpec, gang: RankGang) -> OutputRel
         ctx.run.path,
         [f"{s.node_ip} ({s.hostname})" for s in gang.slots],
         on_scores=ctx.metrics.scores if spec.metrics is not MetricsMode.OFF else None,
+        goodput=ctx.progress.goodput,
     )
     nodes = [s.node_rank for s in gang.slots]
     sink = open_sink(f"{gang.name}-output", ctx.run.path, nodes, spec.console_ranks, gang.pool_sink)

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from ...core.goodput import GoodputTrack
 from ...core.straggler import DETECTORS, WINDOW_S, Sample, StragglerDetector
 from ...rank.waits import send_every
 
@@ -32,12 +33,14 @@ class StragglerWatch:
         self, run_dir: Path, where: list[str], clock: Callable[[], float] = time.monotonic,
         on_scores: Callable[[dict[int, float]], None] | None = None,
         wall_offset: Callable[[], float] = lambda: time.time() - time.monotonic(),
+        goodput: GoodputTrack | None = None,
     ):  # fmt: skip
         """`on_scores` is given every rank's straggler score at each look (the job's metrics); without
         it none is computed. The samples' times and `clock` are monotonic (the sink stamps them so,
         driver/output/relay.py), so a step of the wall clock never pauses or rushes a window; what is said
-        and written is wall time (`wall_offset` added)."""
-        self.on_scores = on_scores
+        and written is wall time (`wall_offset` added). `goodput` is told each rank named and
+        recovered (core/goodput.py: what the slowness cost)."""
+        self.on_scores, self.goodput = on_scores, goodput
         self.path = run_dir / "stragglers.json"
         self.unwritable = False  # said once that the file could not be written
         self.where = where
@@ -69,10 +72,14 @@ class StragglerWatch:
             log.warning("rank %d on %s is slow: %s, since %s", s.rank, where, s.describe(), _clock(since))
             record = {"rank": s.rank, "node": where, "slowdown": round(s.slowdown, 2), **s.figures()}
             self.found.append({**record, "since": since, "until": None})
+            if self.goodput is not None:
+                self.goodput.straggler(s.rank, since, s.slowdown)
         for s in (s for change in changes for s in change.recovered):
             until = now + self.wall_offset()
             log.info("rank %d on %s is no longer slow (since %s)", s.rank, self.where[s.rank], _clock(until))
             next(r for r in reversed(self.found) if r["rank"] == s.rank)["until"] = until
+            if self.goodput is not None:
+                self.goodput.recovered(s.rank, until)
         if any(change.named or change.recovered for change in changes):
             try:
                 self.path.write_text(json.dumps(self.found, indent=1) + "\n")
