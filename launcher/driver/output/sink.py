@@ -72,8 +72,9 @@ class OutputSink:
         self.files = RankFiles(self.dir, len(node_of_rank), first=sorted(console))
 
     def write(self, source: Source, data: bytes, start: int) -> None:
-        """Bytes `start`.. of one of a rank's spools, from the rank's thread or, after the process
-        ended, from a task on its node (rank/spool.py): what both sent is written once."""
+        """Bytes `start`.. of one of a rank's spools, in a node's batch (`take`): sent by the rank's
+        thread or, after the process ended, shipped from its spool (rank/spool.py): what both sent
+        is written once."""
         self.writes += 1
         have, end = self.received.get(source, 0), start + len(data)
         if end <= have:
