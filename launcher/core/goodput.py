@@ -73,6 +73,11 @@ class GoodputTrack:
         self.slowed: list[Slowed] = []
         self.open: dict[int, Slowed] = {}  # by rank: named and not recovered
 
+    @property
+    def first_at(self) -> float | None:
+        """When the launch's first iteration was reported (its time to first step)."""
+        return next((a.first.at for a in self.attempts if a.first is not None), None)
+
     def relaunched(self) -> None:
         last = self.attempts[-1].last
         for rank, slowed in list(self.open.items()):  # ended with its attempt

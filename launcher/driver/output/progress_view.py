@@ -44,9 +44,13 @@ class ProgressView(LaunchObserver):
         self.last_printed = 0.0
         self.printed_iteration: int | None = None
         self.stats: dict[str, Any] = {}
-        self.first_at: float | None = None  # when a rank reported the first iteration (time to first step)
         self.restarts = 0
         self.goodput = GoodputTrack()  # where the launch's time went (core/goodput.py)
+
+    @property
+    def first_at(self) -> float | None:
+        """When a rank reported the first iteration (time to first step)."""
+        return self.goodput.first_at
 
     def on_state(self, state: LaunchState) -> None:
         """Told by the controller: a relaunch starts its own timing (iterations resume from the last
@@ -61,8 +65,6 @@ class ProgressView(LaunchObserver):
         if self.last is not None and record["iteration"] <= self.last["iteration"]:
             return
         previous, self.last = self.last, record
-        if self.first_at is None:
-            self.first_at = record["time"]
         it = record["iteration"]
         self.goodput.iteration(record["time"], it)
         total = record.get("total") or self.facts.train_iters

@@ -39,21 +39,26 @@ def start_sink(name: str, detached: bool = False) -> Any:
 
 @functools.cache
 def _sink_class() -> Any:
-    """One Ray class for every launch (Ray exports each new one), with the forwarders' control group."""
-    from ...rank.forwarder import CONTROL, CONTROL_SLOTS
+    """One Ray class for every launch (Ray exports each new one)."""
     from .sink_host import SinkForwarder
 
-    return ray.remote(concurrency_groups={CONTROL: CONTROL_SLOTS})(SinkForwarder)
+    return _with_stop_waits(SinkForwarder)
 
 
 @functools.cache
 def _forwarder_class() -> Any:
-    """The stop waits in a group of their own (Ray takes concurrency groups at the class, not in
-    `.options()`): in the default group, an async actor's 1,000 slots, they would hold the slots the
-    output needs."""
-    from ...rank.forwarder import CONTROL, CONTROL_SLOTS, NodeForwarder
+    from ...rank.forwarder import NodeForwarder
 
-    return ray.remote(concurrency_groups={CONTROL: CONTROL_SLOTS})(NodeForwarder)
+    return _with_stop_waits(NodeForwarder)
+
+
+def _with_stop_waits(cls: type) -> Any:
+    """A forwarder's Ray class: the stop waits in a group of their own (Ray takes concurrency groups
+    at the class, not in `.options()`): in the default group, an async actor's 1,000 slots, they
+    would hold the slots the output needs."""
+    from ...rank.forwarder import CONTROL, CONTROL_SLOTS
+
+    return ray.remote(concurrency_groups={CONTROL: CONTROL_SLOTS})(cls)
 
 
 def start_forwarders(

@@ -54,9 +54,6 @@ class SinkForwarder(NodeForwarder):
     async def take(self, batch: OutputBatch) -> None:
         self.local.take(batch)
 
-    async def received_bytes(self, source: Source) -> int:
-        return self.local.received_bytes(source)
-
     async def received_of(self, sources: list[Source]) -> list[int]:
         return self.local.received_of(sources)
 
