@@ -460,3 +460,23 @@ def test_a_slow_sink_slows_the_sending_not_the_program_and_loses_nothing(tmp_pat
     finally:
         for actor in [*ranks, forwarder, sink]:
             ray.kill(actor)
+
+
+def test_a_pools_output_sink_ends_itself_once_its_pool_is_given_back_unless_a_launch_took_it(tmp_path):
+    """A pool's sink is detached: nothing a launch does ends it, so it watches its pool's group (one
+    outlived `megaray down` in a CI run)."""
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    from launcher.driver.output.relay import start_sink
+
+    group = placement_group([{"CPU": 0.01}], name="sinkpool-node0")
+    ray.get(group.ready(), timeout=30)
+    idle = start_sink("sinkpool-idle-0", detached=True).remote(pool_group="sinkpool-node0")
+    taken = start_sink("sinkpool-taken-0", detached=True).remote(pool_group="sinkpool-node0")
+    ray.get(taken.configure.remote(str(tmp_path / "run"), [0], frozenset({0})), timeout=30)
+    assert ray.get([idle.received_of.remote([]), taken.received_of.remote([])], timeout=30) == [[], []]
+    remove_placement_group(group)
+    assert leftovers("sinkpool-idle", wait_s=20) == ([], [])  # it ended itself
+    assert leftovers("sinkpool-taken", wait_s=0) == (["sinkpool-taken-0"], [])
+    ray.kill(taken, no_restart=True)
+    assert leftovers("sinkpool") == ([], [])

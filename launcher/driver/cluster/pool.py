@@ -195,7 +195,9 @@ def _start_sink() -> None:
     from ..output.relay import start_sink
 
     try:
-        start_sink(SINK + ray.get_runtime_context().get_node_id(), detached=True).remote()
+        start_sink(SINK + ray.get_runtime_context().get_node_id(), detached=True).remote(
+            pool_group=f"{POOL}-node0"
+        )
     except Exception as e:  # the name is still held by the last one: the next launch starts its own
         log.debug("no output sink started ahead: %s", e)
 

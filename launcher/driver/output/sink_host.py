@@ -12,6 +12,8 @@ group's, as on every node.
 
 from __future__ import annotations
 
+import threading
+import time
 from typing import Any
 
 from ...core.metrics import RankLabels
@@ -23,16 +25,37 @@ from .sink import OutputSink
 
 class SinkForwarder(NodeForwarder):
     """`SinkForwarder(run_dir, node_of_rank, console)`: as `OutputSink`'s; one started ahead (a
-    pool's, driver/cluster/pool.py) learns them with `configure`."""
+    pool's, driver/cluster/pool.py) learns them with `configure`, and is given `pool_group`, the
+    name of a placement group of its pool: once that is gone (the pool given back by `megaray down`
+    or when idle) and no launch took it, it ends itself. `down` stops the pool's sinks by name too;
+    a detached actor must not outlive its pool by any path (one did, in a CI run, unexplained)."""
 
     def __init__(
         self,
         run_dir: str | None = None,
         node_of_rank: list[int] | None = None,
         console: frozenset[int] = frozenset(),
+        pool_group: str | None = None,
     ):
         super().__init__(None, console, 1)
         self.local = OutputSink(run_dir, node_of_rank, console)
+        self.configured = run_dir is not None
+        if pool_group is not None:
+            threading.Thread(
+                target=self._end_with, args=(pool_group,), name="megaray-sink-pool", daemon=True
+            ).start()
+
+    def _end_with(self, pool_group: str, every_s: float = 2.0) -> None:
+        import ray
+
+        while not self.configured:
+            time.sleep(every_s)
+            try:
+                ray.util.get_placement_group(pool_group)
+            except ValueError:  # removed: the pool was given back
+                if not self.configured:
+                    ray.kill(ray.get_runtime_context().current_actor, no_restart=True)
+                return
 
     async def _to_sink(self, batch: OutputBatch) -> None:
         self.local.take(batch)
@@ -41,6 +64,7 @@ class SinkForwarder(NodeForwarder):
         return self.local.received_of(sources)
 
     async def configure(self, run_dir: str, node_of_rank: list[int], console: frozenset[int]) -> None:
+        self.configured = True
         self.local.configure(run_dir, node_of_rank, console)
         self.held.console = console
 
