@@ -56,7 +56,7 @@ def megaray_once(address: str, nodes: int, gpus: int) -> dict[str, float]:
     import ray
 
     sys.path.insert(0, str(REPO))
-    from launcher.core.spec import spec_from_args
+    from launcher.core.launch_args import spec_from_args
     from launcher.driver.lifecycle.launch import launch
 
     os.chdir(REPO)

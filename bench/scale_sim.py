@@ -69,7 +69,7 @@ def main() -> int:
         simray.SimRank.fail = staticmethod(lambda r: "raise" if r.rank == failing_rank else None)
 
     from launcher.core.errors import MegarayError
-    from launcher.core.spec import spec_from_args
+    from launcher.core.launch_args import spec_from_args
     from launcher.driver.lifecycle.launch import launch
     from launcher.driver.output import progress_view
 

@@ -24,8 +24,9 @@ from .core.errors import (
     ResourceError,
     UsageError,
 )
+from .core.launch_args import spec_from_args
 from .core.recipes import Recipe, load_recipe
-from .core.spec import LaunchSpec, spec_from_args
+from .core.spec import LaunchSpec
 from .core.target import Target, TargetKind
 from .rank.capture import report
 

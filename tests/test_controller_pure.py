@@ -7,11 +7,12 @@ what the failure policy decided. As Ray Train tests its controller with a dummy 
 
 from __future__ import annotations
 
+import dataclasses
 import signal
 
 import pytest
 
-from launcher.core.elastic import GrowTo
+from launcher.core.elastic import Evict, GrowTo
 from launcher.core.errors import FailureKind, Interrupted, RankFailedError, RankFailure, ResourceError
 from launcher.core.lifecycle import LaunchState
 from launcher.core.outcome import run_outcome
@@ -35,12 +36,14 @@ class FakeAttempt:
     """`script[state method] = exception` makes that method raise, or is what `poll` finds (a rank
     failure, a grow); the rest succeed."""
 
-    def __init__(
-        self, number: int, spares, events: list, script: dict | None = None, growing: bool = False,
-        avoid: frozenset[str] = frozenset(),
-    ):  # fmt: skip
-        self.number, self.spares_in, self.events, self.script = number, spares, events, script or {}
-        self.growing, self.avoid = growing, avoid
+    def __init__(self, placing, events: list, script: dict | None = None):
+        self.number, self.spares_in, self.events, self.script = (
+            placing.number,
+            placing.spares,
+            events,
+            script or {},
+        )
+        self.growing, self.avoid, self.evicted = placing.growing, placing.avoid, placing.evicted
         self.adopted = False
         self.torn_down = False
 
@@ -59,7 +62,7 @@ class FakeAttempt:
     def poll(self):
         """A scripted rank failure or grow is what the look finds (core/poll.py); anything else raises."""
         found = self.script.get("poll")
-        if isinstance(found, RankFailedError | GrowTo):
+        if isinstance(found, RankFailedError | GrowTo | Evict):
             self.events.append(("poll", self.number))
             return RanksFailed(found) if isinstance(found, RankFailedError) else found
         self._step("poll")
@@ -92,7 +95,7 @@ def controller(
     clock = iter(range(1000))
 
     def new_attempt(p):
-        attempt = FakeAttempt(p.number, p.spares, events, scripts.get(p.number), p.growing, p.avoid)
+        attempt = FakeAttempt(p, events, scripts.get(p.number))
         (made if made is not None else []).append(attempt)
         return attempt
 
@@ -140,7 +143,7 @@ def test_running_is_looked_at_until_the_look_finds_an_end_and_is_one_state_in_th
             self.looks += 1
             return AllReturned(()) if self.looks == 3 else StillRunning()
 
-    c = Controller(FailurePolicy(0), lambda p: RunsThreeLooks(p.number, p.spares, events))
+    c = Controller(FailurePolicy(0), lambda p: RunsThreeLooks(p, events))
     assert c.run() == "result of attempt 0" and c.last_attempt.looks == 3
     assert [s for s, _ in c.history] == [P, S, R, F, LaunchState.SUCCEEDED]
 
@@ -242,7 +245,9 @@ def test_a_failed_relaunch_placement_records_that_no_spares_were_taken():
     scripts = {0: {"poll": failed()}, 1: {"place": ResourceError("gone")}}
 
     def no_spares(p):
-        return FakeAttempt(p.number, None, events, scripts.get(p.number))  # the spares could not take over
+        return FakeAttempt(
+            dataclasses.replace(p, spares=None), events, scripts.get(p.number)
+        )  # the spares could not take over
 
     c = Controller(FailurePolicy(1), no_spares)
     with pytest.raises(ResourceError):
@@ -269,7 +274,7 @@ def test_sigterm_during_a_restarts_teardown_ends_the_launch_interrupted():
             raise Interrupted(signal.SIGTERM, "SIGTERM")
 
     script = {"poll": failed()}
-    c = Controller(FailurePolicy(3), lambda p: StoppedInTeardown(p.number, p.spares, events, script))
+    c = Controller(FailurePolicy(3), lambda p: StoppedInTeardown(p, events, script))
     with pytest.raises(Interrupted):
         c.run()
     assert c.state is LaunchState.INTERRUPTED and events.count(("teardown", 0)) == 1
@@ -483,3 +488,23 @@ def test_the_nodes_found_lost_travel_with_the_states_to_each_next_placing():
     c = controller(1, scripts, events, made=attempts)
     assert c.run() == "result of attempt 2"
     assert [a.avoid for a in attempts] == [frozenset(), frozenset({"n1", "n2"}), frozenset({"n2"})]
+
+
+def test_a_slow_node_dropped_is_a_relaunch_not_counted_and_kept_off_by_every_later_attempt():
+    """--evict-stragglers: the attempt ends with Evict; the relaunch and every one after it keep that
+    node off (`Placing.evicted`), beside the lost nodes, which one answering again takes off; the
+    failure after it still has its restart."""
+    events: list = []
+    attempts: list = []
+    evict = Evict("n3", 31.0, "a checkpoint was saved since", "10.0.0.3 (c)")
+    scripts = {0: {"poll": evict}, 1: {"poll": failed(), "lost_nodes": frozenset({"n1"})}}
+    c = controller(1, scripts, events, made=attempts)
+    assert c.run() == "result of attempt 2"
+    assert [(r.attempt, r.kind) for r in c.restarts] == [(1, RestartKind.EVICT), (2, RestartKind.FAILURE)]
+    assert c.restarts[0].cause == (
+        "a rank on node 10.0.0.3 (c) has been slow for 31s and a checkpoint was saved since: "
+        "dropping its node"
+    )
+    assert [a.evicted for a in attempts] == [frozenset(), frozenset({"n3"}), frozenset({"n3"})]
+    assert [a.avoid for a in attempts] == [frozenset(), frozenset(), frozenset({"n1"})]
+    assert c.failed == 1 and ("hand_over", 0) not in events

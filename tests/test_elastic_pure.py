@@ -3,11 +3,25 @@ without processes."""
 
 from __future__ import annotations
 
+import logging
+import re
+
 import pytest
 
-from launcher.core.elastic import NodeChoice, NodeRange, choose_nodes, parse_nodes
+from launcher.core.elastic import (
+    Evict,
+    EvictPolicy,
+    GrowPolicy,
+    NodeChoice,
+    NodeRange,
+    ScalingPolicy,
+    choose_nodes,
+    parse_nodes,
+)
 from launcher.core.errors import UsageError
-from launcher.core.spec import spec_from_args
+from launcher.core.launch_args import spec_from_args
+from launcher.driver.supervision.evict import EvictWatch
+from launcher.driver.supervision.stragglers import StragglerWatch
 
 
 def test_nodes_are_n_or_min_max_as_torchrun_spells_them():
@@ -124,3 +138,74 @@ def test_the_scaling_policy_sizes_a_new_attempt_takes_the_spares_left_and_decide
     at_checkpoint = ScalingPolicy(NodeRange(1, 4), grow=GrowPolicy(at_checkpoint=True))
     assert at_checkpoint.grow_now(2, 4, 60.0, 61.0, 62.0).why.endswith("a checkpoint was saved since")
     assert at_checkpoint.grow_now(2, 2, 60.0, 61.0, 62.0) is None  # no more nodes than it runs on
+
+
+def test_a_slow_node_is_dropped_at_the_first_checkpoint_once_due_if_the_job_goes_on_without_it():
+    """`--evict-stragglers 30`: a node whose rank has been named slow since t=100 is due at 130 and
+    dropped at the first checkpoint saved after that (a Megatron target), at once for a plain program
+    that gave --grow-after; never below MIN without room for another node, nor without the flag."""
+    at_checkpoint = ScalingPolicy(NodeRange(2, 3), grow=GrowPolicy(at_checkpoint=True), evict=EvictPolicy(30))
+    slow = {"n2": 100.0}
+    assert at_checkpoint.evict_now(3, 0, slow, checkpoint_at=120.0, now=129.0) is None  # not due yet
+    assert at_checkpoint.evict_now(3, 0, slow, checkpoint_at=120.0, now=140.0) is None  # saved before due
+    evict = at_checkpoint.evict_now(3, 0, slow, checkpoint_at=135.0, now=140.0)
+    assert evict == Evict("n2", 40.0, "a checkpoint was saved since")
+    # the slowest-standing node first
+    assert at_checkpoint.evict_now(3, 0, {"n1": 105.0, "n2": 95.0}, 135.0, 140.0).node_id == "n2"
+    # at MIN (2 of 2:3): only with room for another node, which the relaunch takes in its place
+    assert at_checkpoint.evict_now(2, 0, slow, 135.0, 140.0) is None
+    assert at_checkpoint.without_slow_node(2, 0) == (
+        "running on 2 of --nodes 2:3, a relaunch without it would not suit the target or fit the cluster"
+    )
+    assert at_checkpoint.evict_now(2, 1, slow, 135.0, 140.0) is not None
+    consent = ScalingPolicy(NodeRange(2, 3), grow=GrowPolicy(grow_after_s=60), evict=EvictPolicy(30))
+    assert consent.evict_now(3, 0, slow, None, 130.0) == Evict("n2", 30.0, "the program resumes itself")
+    assert (
+        ScalingPolicy(NodeRange(2, 3), grow=GrowPolicy(at_checkpoint=True)).evict_now(3, 0, slow, 135.0, 1e6)
+        is None
+    )
+    for flags, said in (
+        (["--evict-stragglers", "0"], "--evict-stragglers must be above 0 seconds, got 0.0"),
+        (["--nodes", "2", "--evict-stragglers", "30"],
+         "--evict-stragglers drops a node of a job of --nodes MIN:MAX: give a range, or drop it"),
+    ):  # fmt: skip
+        with pytest.raises(UsageError, match=re.escape(said)):
+            spec_from_args(["--nodes", "2:3", *flags, "--dry-run"], environ={})
+    assert (
+        spec_from_args(["--nodes", "2:3", "--evict-stragglers", "30", "--dry-run"], environ={}).evict_after_s
+        == 30
+    )
+
+
+def test_a_slow_rank_not_dropped_is_told_once_what_it_costs_and_what_would_fix_it(tmp_path, caplog):
+    """The evict watch: ranks named slow (the straggler watch's `slow`) grouped by node; with no flag,
+    after a minute, one line per rank: the training it has cost so far and the flag that would drop it."""
+    stragglers = StragglerWatch(tmp_path, ["10.0.0.1 (a)", "10.0.0.2 (b)"])
+    now = [1000.0]
+    fixed = ScalingPolicy(NodeRange(2, 2), grow=GrowPolicy(at_checkpoint=True))
+    watch = EvictWatch(
+        fixed, stragglers, ["n1", "n2"], {"n1": "10.0.0.1 (a)", "n2": "10.0.0.2 (b)"}, lambda: now[0]
+    )
+    stragglers.slow[1] = (1000.0, 4.0)
+    caplog.set_level(logging.WARNING, logger="megaray")
+    assert watch.check(2, 0, None) is None and not caplog.records
+    now[0] = 1060.0
+    assert watch.check(2, 0, None) is None and watch.check(2, 0, None) is None
+    (said,) = [r.getMessage() for r in caplog.records]
+    assert said == (
+        "rank 1 on 10.0.0.2 (b) has been slow for 1m00s (about 4.0x its peers): it has cost the job "
+        "about 45s of training so far; --nodes MIN:MAX with --evict-stragglers S would drop its node at "
+        "its next checkpoint and relaunch without it"
+    )
+    elastic = ScalingPolicy(NodeRange(2, 3), grow=GrowPolicy(at_checkpoint=True), evict=EvictPolicy(30))
+    watch = EvictWatch(elastic, stragglers, ["n1", "n2"], {"n2": "10.0.0.2 (b)"}, lambda: now[0])
+    caplog.clear()
+    assert watch.check(3, 0, 1020.0) is None  # saved before it was due (at 1030): the next one
+    assert [r.getMessage().split("; ")[1] for r in caplog.records] == [
+        "its node is dropped at the target's next checkpoint"
+    ]
+    evict = watch.check(3, 0, 1050.0)
+    assert evict is not None and str(evict) == (
+        "a rank on node 10.0.0.2 (b) has been slow for 60s and a checkpoint was saved since: "
+        "dropping its node"
+    )

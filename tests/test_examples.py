@@ -14,7 +14,7 @@ import tempfile
 import pytest
 import yaml
 
-from launcher.core.spec import spec_from_args
+from launcher.core.launch_args import spec_from_args
 
 from . import drive
 from .conftest import REPO, free_port

@@ -180,9 +180,9 @@ def test_data_paths_a_config_names_are_checked(tmp_path):
 
 
 def test_the_first_step_is_checked_against_the_placed_gpus_unless_a_size_is_given():
+    from launcher.core.launch_args import spec_from_args
     from launcher.core.memory import MemoryEstimate
     from launcher.core.progress import TrainingFacts
-    from launcher.core.spec import spec_from_args
     from launcher.driver.lifecycle.registry import runner_for
     from launcher.megatron.preflight import Plan
 

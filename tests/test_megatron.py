@@ -148,7 +148,7 @@ def test_an_hf_config_that_cannot_be_had_offline_exits_2_at_once(tmp_path):
 
 
 def test_relaunches_resume_from_the_recipe_checkpoints_and_nccl_outlasts_the_hang_timeout(configs, tmp_path):
-    from launcher.core.spec import spec_from_args
+    from launcher.core.launch_args import spec_from_args
     from launcher.driver.lifecycle.registry import runner_for
     from launcher.megatron.preflight import Plan
 
@@ -172,7 +172,7 @@ def test_a_config_built_ahead_on_a_rank_is_taken_with_the_overrides_the_go_adds(
     """A rank (or a warm spare) builds its recipe's config while it waits for the go; the program
     takes it, with what the go added (a collective timeout, a relaunch's checkpoint.load) applied,
     the same config as built from scratch; anything else is built anew."""
-    from launcher.core.spec import spec_from_args
+    from launcher.core.launch_args import spec_from_args
     from launcher.driver.lifecycle.registry import runner_for
     from launcher.megatron.bridge_target import take_prebuilt
     from launcher.megatron.preflight import Plan
@@ -194,7 +194,7 @@ def test_a_config_built_ahead_on_a_rank_is_taken_with_the_overrides_the_go_adds(
 def test_a_finetuning_relaunch_resumes_from_its_own_checkpoints_once_it_has_saved_one(tmp_path):
     # Bridge's SFT recipes load from their default save folder; with checkpoint.save given alone, the
     # relaunch must load from there once the first attempt saved, and from the pretrained weights before.
-    from launcher.core.spec import spec_from_args
+    from launcher.core.launch_args import spec_from_args
     from launcher.driver.lifecycle.registry import runner_for
     from launcher.megatron.preflight import Plan
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
+from launcher.core.launch_args import spec_from_args
 from launcher.core.recipes import load_recipe
-from launcher.core.spec import spec_from_args
 from launcher.core.target import DRY_RUN_TARGET, Target
 from launcher.driver.lifecycle.registry import runner_for
 from launcher.rank.probes import wait_gone
@@ -30,7 +30,7 @@ def test_spares_import_the_launcher_stack_never_user_code():
 
 
 def test_every_kind_of_target_has_a_runner_and_plain_programs_resume_themselves():
-    from launcher.core.spec import spec_from_args
+    from launcher.core.launch_args import spec_from_args
     from launcher.core.target import TargetKind
     from launcher.driver.lifecycle.registry import RUNNERS
 

@@ -7,7 +7,8 @@ import pytest
 
 from launcher.cli import main
 from launcher.core.errors import UsageError
-from launcher.core.spec import LaunchSpec, spec_from_args
+from launcher.core.launch_args import spec_from_args
+from launcher.core.spec import LaunchSpec
 from launcher.core.target import DRY_RUN_TARGET, Target
 
 
@@ -180,7 +181,7 @@ def test_what_follows_a_module_is_the_modules_as_under_python_and_torchrun():
 
 
 def test_the_help_lists_every_dry_run_option():
-    from launcher.core.spec import build_parser
+    from launcher.core.launch_args import build_parser
     from launcher.core.target import DRY_RUN_OPTIONS
 
     text = " ".join(build_parser().format_help().split())

@@ -92,7 +92,7 @@ def test_groups_sharing_a_node_are_all_found_in_one_pass():
 
 def test_placing_waits_at_most_10_s_on_a_cluster_that_cannot_grow():
     """What the restart line says it waits is what placing waits (it said 120 s on `megaray up`)."""
-    from launcher.core.spec import spec_from_args
+    from launcher.core.launch_args import spec_from_args
     from launcher.driver.gang.placement import wait_s
 
     spec = spec_from_args(["--dry-run"])
@@ -105,7 +105,7 @@ def test_a_relaunch_that_cannot_fit_says_the_minimum_of_the_node_range_it_needed
     """#46: below MIN after a lost node, the error said '3 node(s)' of --nodes 2:3, the 2 needed unsaid."""
     import dataclasses
 
-    from launcher.core.spec import spec_from_args
+    from launcher.core.launch_args import spec_from_args
     from launcher.driver.gang.placement import describe_request
 
     spec = spec_from_args(["--nodes", "2:3", "--device", "cpu", "--dry-run"])

@@ -313,7 +313,7 @@ def _print_nodes(reports: list[NodeReport]) -> bool:
 
 def _bandwidth(args: argparse.Namespace, address: str | None) -> bool:
     from ..core.errors import MegarayError
-    from ..core.spec import spec_from_args
+    from ..core.launch_args import spec_from_args
     from ..driver.lifecycle.launch import launch
 
     argv = ["--nodes", str(args.nodes), "--gpus-per-node", str(args.gpus_per_node), "--device", args.device]

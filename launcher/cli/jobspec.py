@@ -20,9 +20,10 @@ from typing import Any
 
 from ..core.args import ArgumentParser
 from ..core.errors import UsageError
+from ..core.launch_args import build_parser as build_launch_parser
+from ..core.launch_args import spec_from_args
 from ..core.raytoken import auth_disabled, find_token
-from ..core.spec import LaunchSpec, spec_from_args
-from ..core.spec import build_parser as build_launch_parser
+from ..core.spec import LaunchSpec
 from ..core.topology import format_table
 from ..core.versions import megaray_version, python_version
 from ..driver.lifecycle.registry import runner_for

@@ -7,7 +7,7 @@ import os
 import sys
 
 from ..core.errors import MegarayError, RankFailedError
-from ..core.spec import spec_from_args
+from ..core.launch_args import spec_from_args
 from ..core.target import dry_run_trains
 from .commands import COMMANDS, commands_help
 

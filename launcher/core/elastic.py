@@ -119,6 +119,45 @@ class GrowTo:
     why: str
 
 
+@dataclass(frozen=True)
+class Evict:
+    """End this attempt and relaunch without the node `node_id`, kept off for the rest of the launch
+    (`--evict-stragglers`): its ranks stayed named slow (driver/supervision/stragglers.py)."""
+
+    node_id: str
+    slow_s: float  # how long a rank of it had been named slow
+    when: str  # why now: "a checkpoint was saved since", "the program resumes itself"
+    name: str = ""  # how the console names the node (its IP and host name)
+
+    def __str__(self) -> str:
+        node = self.name or self.node_id[:8]
+        return (
+            f"a rank on node {node} has been slow for {self.slow_s:.0f}s and {self.when}: dropping its node"
+        )
+
+
+@dataclass(frozen=True)
+class EvictPolicy:
+    """When a node whose rank is named slow is dropped (`--evict-stragglers AFTER_S`, `after_s`; None:
+    never): once the rank has been slow for `after_s`, at the next checkpoint the target writes after
+    that (no step older than it lost), or at once for a plain program that resumes itself (it gave
+    `--grow-after`, its consent to be relaunched while it runs: `consent`)."""
+
+    after_s: float | None = None
+
+    def due(self, slow_since: float, now: float) -> float | None:
+        """When the node became due to be dropped, if it has."""
+        if self.after_s is None or now - slow_since < self.after_s:
+            return None
+        return slow_since + self.after_s
+
+    @staticmethod
+    def now(grow: GrowPolicy, due_at: float, checkpoint_at: float | None) -> bool:
+        if grow.at_checkpoint:
+            return checkpoint_at is not None and checkpoint_at >= due_at
+        return grow.grow_after_s is not None
+
+
 def _suits_any(nodes: int) -> str | None:
     return None
 
@@ -133,6 +172,7 @@ class ScalingPolicy:
     asked: NodeRange
     problem: Callable[[int], str | None] = _suits_any
     grow: GrowPolicy = GrowPolicy()
+    evict: EvictPolicy = EvictPolicy()
 
     def size(self, fit: int) -> NodeChoice:
         """Placing: the largest count up to `fit` (what the cluster holds) that suits."""
@@ -163,3 +203,28 @@ class ScalingPolicy:
         when = "a checkpoint was saved since" if saved else f"for {now - room_since:.0f}s"
         room = f"the cluster has room for {target} node(s) of --nodes {self.asked} (running on {running})"
         return GrowTo(target, f"{room}, {when}")
+
+    def without_slow_node(self, running: int, room: int) -> str | None:
+        """Why an attempt on `running` nodes, with `room` for more on the cluster, cannot drop one: the
+        relaunch without it runs on `running - 1`, or on `running` where there is room; None: it can."""
+        if not self.asked.elastic:
+            return "the job runs on a fixed node count (--nodes N)"
+        if self.takes(running - 1) or (room > 0 and self.takes(running)):
+            return None
+        fewer = f"running on {running} of --nodes {self.asked}"
+        return f"{fewer}, a relaunch without it would not suit the target or fit the cluster"
+
+    def evict_now(
+        self, running: int, room: int, slow: dict[str, float], checkpoint_at: float | None, now: float
+    ) -> Evict | None:
+        """`slow`: since when each node has had a rank named slow (the clock of `now` and
+        `checkpoint_at`): the node slow longest, once the evict policy says it is time and the job
+        can go on without it."""
+        due = [(at, node) for node, since in slow.items() if (at := self.evict.due(since, now)) is not None]
+        if not due or self.without_slow_node(running, room) is not None:
+            return None
+        due_at, node = min(due)
+        if not self.evict.now(self.grow, due_at, checkpoint_at):
+            return None
+        when = "a checkpoint was saved since" if self.grow.at_checkpoint else "the program resumes itself"
+        return Evict(node, now - slow[node], when)

@@ -38,6 +38,7 @@ _ENDED = frozenset({LaunchState.SUCCEEDED, LaunchState.FAILED, LaunchState.INTER
 class RestartKind(StrEnum):
     FAILURE = "failure"  # a rank failed: counted against --max-restarts
     GROW = "grow"  # --nodes MIN:MAX, below MAX: relaunched on more nodes (not counted)
+    EVICT = "evict"  # --evict-stragglers: relaunched without a slow node (not counted)
 
 
 @dataclass

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from .elastic import GrowTo
+from .elastic import Evict, GrowTo
 from .errors import RankFailedError
 
 
@@ -30,4 +30,4 @@ class RanksFailed:
     failure: RankFailedError
 
 
-PollStatus = StillRunning | AllReturned | RanksFailed | GrowTo
+PollStatus = StillRunning | AllReturned | RanksFailed | GrowTo | Evict

@@ -14,8 +14,7 @@ what that launch's ranks imported ahead). An idle pool gives its bundles back af
 
 The layout is recorded in the cluster's own key-value store (the GCS), not on the machine that
 asked for it: every driver attached to that cluster finds the same pool, and a launch on another
-cluster never touches it.
-"""
+cluster never touches it."""
 
 from __future__ import annotations
 
@@ -191,14 +190,13 @@ def _imports(layout: PoolLayout) -> tuple[str, ...]:
 
 def _start_sink() -> None:
     """A launch's output sink, started ahead on this driver's node (where the next launch's driver
-    most likely runs: it is used there only): its Ray worker's start is off the next launch's path."""
+    most likely runs: it is used there only), its Ray worker's start off the next launch's path; it
+    ends with the pool's group 0 unless a launch took it."""
     from ..output.relay import start_sink
 
-    try:
-        start_sink(SINK + ray.get_runtime_context().get_node_id(), detached=True).remote(
-            pool_group=f"{POOL}-node0"
-        )
-    except Exception as e:  # the name is still held by the last one: the next launch starts its own
+    try:  # the name is still held by the last one: the next launch starts its own
+        start_sink(SINK + ray.get_runtime_context().get_node_id(), True).remote(pool_group=POOL + "-node0")
+    except Exception as e:
         log.debug("no output sink started ahead: %s", e)
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 import ray
 
-from ...core.elastic import GrowTo
+from ...core.elastic import Evict, GrowTo
 from ...core.errors import RankFailedError
 from ...core.metrics import MetricsMode, rank_labels
 from ...core.outcome import LaunchResult
@@ -26,11 +26,13 @@ from ..gang.rank_view import env_records
 from ..gang.sources import PlaceRequest
 from ..gang.spares import SparePool
 from ..output.relay import OutputRelay, open_sink
+from ..supervision.evict import EvictWatch
 from ..supervision.grow import GrowWatch
 from ..supervision.rank_ends import failed_before
 from ..supervision.stragglers import StragglerWatch
 from ..supervision.supervise import Supervision
 from .context import AttemptTarget, LaunchContext
+from .controller import Placing
 from .registry import runner_for
 
 log = logging.getLogger("megaray")
@@ -62,30 +64,34 @@ def relay_for(ctx: LaunchContext, spec: LaunchSpec, gang: RankGang) -> OutputRel
     return OutputRelay(sink, spec.console_ranks, ctx.progress, stragglers)
 
 
+def evict_watch(ctx: LaunchContext, gang: RankGang, relay: OutputRelay) -> EvictWatch:
+    """Whether to drop a slow node (driver/supervision/evict.py), from the relay's straggler watch."""
+    names = {s.node_id: f"{s.node_ip} ({s.hostname})" for s in gang.slots}
+    return EvictWatch(ctx.scaling, relay.stragglers, [s.node_id for s in gang.slots], names)
+
+
 class Attempt:
     """One run of every rank: a gang, its output relay, and the next attempt's warm spares."""
 
-    def __init__(
-        self, ctx: LaunchContext, number: int, spares_in: SparePool | None = None, *, growing: bool = False,
-        target: AttemptTarget | None = None, avoid: frozenset[str] = frozenset(),
-    ):  # fmt: skip
-        """Attempt `number` of the launch `ctx`: on `spares_in` (the failed attempt's warm spares,
-        handed over) when they can take over; `growing`: a relaunch on more nodes (--nodes
-        MIN:MAX), not after a failure; `target`: what it runs (driver/lifecycle/context.py); `avoid`:
-        the nodes earlier attempts found lost, not placed on."""
-        self.ctx, self.number, self.stop = ctx, number, ctx.stop
+    def __init__(self, ctx: LaunchContext, placing: Placing, target: AttemptTarget | None = None):
+        """The attempt of the launch `ctx` that `placing` describes (its number, the failed attempt's
+        warm spares, whether it grows, the nodes kept off: driver/lifecycle/controller.py); `target`:
+        what it runs (driver/lifecycle/context.py)."""
+        self.ctx, self.number, self.stop = ctx, (number := placing.number), ctx.stop
         target = target or AttemptTarget()
         known = target.known is not None
         self.spec = spec = dataclasses.replace(ctx.spec, target=target.known) if known else ctx.spec
         self.target = target.later or (lambda gpu_gib, ready: spec.target)
         self.imports_first = target.imports_first
         self.grow: GrowWatch | None = None  # once placed below MAX nodes
+        self.evict: EvictWatch | None = None  # once placed
         name = spec.job_name if number == 0 else f"{spec.job_name}-a{number}"
         # kept off: a node that answers again is taken off (its GrowWatch), one found lost is added
-        self.avoid = set(avoid)
-        ask = PlaceRequest(name, number, ctx.cluster.fixed_size, frozenset(avoid), ctx.scaling, growing)
+        self.avoid, self.evicted = set(placing.avoid), placing.evicted
+        away = placing.avoid | placing.evicted
+        ask = PlaceRequest(name, number, ctx.cluster.fixed_size, away, ctx.scaling, placing.growing)
         self.gang = RankGang(spec, ctx.stop, ctx.profile, ask)
-        self.spares_in = spares_in  # given by the failed attempt, until adopted or discarded
+        self.spares_in = placing.spares  # given by the failed attempt, until adopted or discarded
         self.spares_out: SparePool | None = None  # started for the next attempt
         self.handed_over = False
         self.relay: OutputRelay | None = None
@@ -117,9 +123,10 @@ class Attempt:
         gang.place(spares_in)
         self.spec = gang.spec  # with --nodes MIN:MAX, on as many nodes as it was placed on
         if self.ctx.scaling.can_grow(self.spec.nodes):
-            held = {s.node_id for s in gang.slots}
+            held = {s.node_id for s in gang.slots} | self.evicted  # evicted: never grown onto
             self.grow = GrowWatch(self.spec, self.ctx.scaling, held, self.avoid)
         self.relay = relay_for(self.ctx, self.spec, gang)
+        self.evict = evict_watch(self.ctx, gang, self.relay)
 
     def start(self) -> None:
         """Every rank's actor, port and env, recorded in the run directory; then the program starts
@@ -193,16 +200,18 @@ class Attempt:
             spec.job_name, spec.world_size, *gang.master, gang.ranks, self.returns, gang.timings
         )
 
-    def _checks(self) -> RanksFailed | GrowTo | None:
+    def _checks(self) -> RanksFailed | GrowTo | Evict | None:
         """Every turn of the supervision: a stop signal (raises Interrupted), the nodes still answer,
-        the next attempt's spares tended, and below MAX nodes, whether to grow."""
+        the next attempt's spares tended, below MAX nodes whether to grow, whether to drop a slow node."""
         self.stop.check()
         if (failure := self.gang.ends.check_nodes()) is not None:
             return RanksFailed(failure)
         self._imported()
         self.ctx.metrics.progress(self.ctx.progress.stats)
         self._tend_spares()
-        return self.grow.check(self.relay.last_checkpoint_at) if self.grow is not None else None
+        saved, grow = self.relay.last_checkpoint_at, self.grow
+        found = grow.check(saved) if grow is not None else None
+        return found or self.evict.check(self.spec.nodes, grow.room if grow is not None else 0, saved)
 
     def _imported(self) -> None:
         """Once rank 0's imports ahead are done, what they took (and the config built ahead), said

@@ -20,7 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, Protocol
 
-from ...core.elastic import GrowTo
+from ...core.elastic import Evict, GrowTo
 from ...core.errors import RankFailedError
 from ...core.lifecycle import LaunchObserver, LaunchState, Restart, RestartKind
 from ...core.outcome import run_outcome
@@ -59,12 +59,14 @@ class AttemptLike(Protocol):
 class Placing:
     """Attempt `number` made and placed: on `spares` (the failed attempt's, handed over) when there
     are some; `growing`: the relaunch of a grow, on the nodes that appeared; `avoid`: the nodes found
-    lost so far, left out of its placing."""
+    lost so far, left out of its placing; `evicted`: the slow nodes dropped (--evict-stragglers),
+    left out for good (a lost node that answers again is placed on again, not these)."""
 
     number: int
     spares: Any = None
     growing: bool = False
     avoid: frozenset[str] = frozenset()
+    evicted: frozenset[str] = frozenset()
     kind: ClassVar[LaunchState] = LaunchState.PLACING
 
 
@@ -142,6 +144,7 @@ class Controller:
         self.attempt: AttemptLike | None = None  # the current one, until torn down
         self.last_attempt: AttemptLike | None = None
         self.restarts: list[Restart] = []
+        self.evicted: frozenset[str] = frozenset()  # slow nodes dropped, kept off by every later attempt
 
     @property
     def state(self) -> LaunchState:
@@ -188,12 +191,14 @@ class Controller:
                         return self._decide(failure)
                     case GrowTo() as grow:
                         return self._grow(grow)
+                    case Evict() as evict:
+                        return self._evict(evict)
             case Finishing():
                 result = self.attempt.finish()
                 self._close()
                 return Succeeded(result)
             case Restarting(restart, spares, growing, avoid):
-                return Placing(restart.attempt, spares, growing, avoid)
+                return Placing(restart.attempt, spares, growing, avoid, self.evicted)
         raise AssertionError(f"no step from {step}")
 
     def _move(self, step: Step) -> None:
@@ -238,6 +243,16 @@ class Controller:
         log.warning("%s; relaunching every rank on up to %d node(s)", grow.why, grow.nodes)
         self._close()
         return Restarting(restart, growing=True, avoid=self._avoid())
+
+    def _evict(self, evict: Evict) -> Step:
+        """A node's rank stayed slow (--evict-stragglers): every rank is stopped and relaunched without
+        that node, which no later attempt is placed on (not a failure: --max-restarts does not count
+        it); the relaunch grows back onto another node once the cluster has room."""
+        restart = self._restarted(Restart(self.number + 1, str(evict), self.clock(), kind=RestartKind.EVICT))
+        log.warning("%s; relaunching every rank without it", evict)
+        self.evicted |= {evict.node_id}
+        self._close()
+        return Restarting(restart, avoid=self._avoid())
 
     def _avoid(self) -> frozenset[str]:
         """What the next attempt keeps off: what the last one made (torn down by now) says."""

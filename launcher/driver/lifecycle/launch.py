@@ -11,7 +11,7 @@ import signal
 import time
 from typing import Any
 
-from ...core.elastic import GrowPolicy, ScalingPolicy
+from ...core.elastic import EvictPolicy, GrowPolicy, ScalingPolicy
 from ...core.errors import Interrupted, MegarayError, RankFailedError, UsageError
 from ...core.goodput import ledger
 from ...core.outcome import LaunchResult, run_outcome
@@ -62,6 +62,11 @@ def _launch(spec: LaunchSpec, exits_after: bool, early: EarlyInterrupt) -> Launc
     runner.check_locally(spec.target, spec.cwd)
     profile = load_profile(spec.env_profile) if spec.env_profile else {}
     runs_root(spec.run_dir)  # bad input, said before anything starts
+    if spec.evict_after_s is not None and not (runner.grows_at_checkpoint or spec.grow_after_s):
+        raise UsageError(
+            "--evict-stragglers relaunches the job without a slow node while it runs: a plain program "
+            "consents with --grow-after S (it resumes itself from its own checkpoints), or drop it"
+        )
     verdict = runner.preflight(spec)  # on its way while the driver connects and the ranks start
     try:
         return _run(spec, exits_after, early, runner, verdict, profile)
@@ -141,6 +146,7 @@ def _run(
                     spec.node_range,
                     lambda nodes: runner.size_problem(spec, plan(), nodes),
                     GrowPolicy(runner.grows_at_checkpoint, spec.grow_after_s),
+                    EvictPolicy(spec.evict_after_s),
                 ),
                 parallel_dims=lambda s: runner.parallel_dims(s, plan()),
             )  # fmt: skip
@@ -152,8 +158,7 @@ def _run(
                     target = AttemptTarget(later=first_target, imports_first=verdict.in_background)
                 else:
                     target = AttemptTarget(known=runner.resume_target(first_target(), plan()))
-                return Attempt(ctx, placing.number, placing.spares, growing=placing.growing, target=target,
-                               avoid=placing.avoid)  # fmt: skip
+                return Attempt(ctx, placing, target)
 
             controller = Controller(
                 FailurePolicy(spec.max_restarts), new_attempt,

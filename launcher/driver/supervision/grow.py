@@ -34,6 +34,11 @@ class GrowWatch:
         self.target = spec.nodes
         self.next_look = clock() + ROOM_EVERY_S
 
+    @property
+    def room(self) -> int:
+        """How many nodes more than it runs on the cluster has room for (as last looked)."""
+        return max(0, self.target - self.spec.nodes)
+
     def check(self, last_checkpoint_at: float | None) -> GrowTo | None:
         """GrowTo once it is time, else None; `last_checkpoint_at`: when the target last said it saved
         one (this clock)."""

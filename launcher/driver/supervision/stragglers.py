@@ -49,6 +49,7 @@ class StragglerWatch:
         self.window_s = max(WINDOW_S, 3 * send_every(len(where)))
         self.detectors: dict[type, StragglerDetector] = {}  # made for the kinds of sample that arrive
         self.found: list[dict[str, Any]] = []  # every finding, in order; a rank's last is its current
+        self.slow: dict[int, tuple[float, float]] = {}  # named and not recovered: (since, slowdown), by rank
         self.next_look = 0.0
 
     def sample(self, sample: Sample) -> None:
@@ -72,12 +73,14 @@ class StragglerWatch:
             log.warning("rank %d on %s is slow: %s, since %s", s.rank, where, s.describe(), _clock(since))
             record = {"rank": s.rank, "node": where, "slowdown": round(s.slowdown, 2), **s.figures()}
             self.found.append({**record, "since": since, "until": None})
+            self.slow[s.rank] = (s.since, s.slowdown)
             if self.goodput is not None:
                 self.goodput.straggler(s.rank, since, s.slowdown)
         for s in (s for change in changes for s in change.recovered):
             until = now + self.wall_offset()
             log.info("rank %d on %s is no longer slow (since %s)", s.rank, self.where[s.rank], _clock(until))
             next(r for r in reversed(self.found) if r["rank"] == s.rank)["until"] = until
+            self.slow.pop(s.rank, None)
             if self.goodput is not None:
                 self.goodput.recovered(s.rank, until)
         if any(change.named or change.recovered for change in changes):

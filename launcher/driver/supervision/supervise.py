@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from ...core.elastic import GrowTo
+from ...core.elastic import Evict, GrowTo
 from ...core.errors import RankFailedError, RankFailure, peer_consequence
 from ...core.poll import AllReturned, PollStatus, RanksFailed, StillRunning
 from ..lifecycle.stop import StopSignal
@@ -53,7 +53,7 @@ def hang_limit(hang_timeout_s: float, any_output: bool) -> float:
     return hang_timeout_s if any_output else max(hang_timeout_s, STARTUP_GRACE_S)
 
 
-Checks = Callable[[], RanksFailed | GrowTo | None]
+Checks = Callable[[], RanksFailed | GrowTo | Evict | None]
 
 
 class Supervision:
