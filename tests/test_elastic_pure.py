@@ -155,9 +155,11 @@ def test_a_slow_node_is_dropped_at_the_first_checkpoint_once_due_if_the_job_goes
     # at MIN (2 of 2:3): only with room for another node, which the relaunch takes in its place
     assert at_checkpoint.evict_now(2, 0, slow, 135.0, 140.0) is None
     assert at_checkpoint.without_slow_node(2, 0) == (
-        "running on 2 of --nodes 2:3, a relaunch without it would not suit the target or fit the cluster"
+        "running on 2 of --nodes 2:3, its minimum, with no room for another node"
     )
     assert at_checkpoint.evict_now(2, 1, slow, 135.0, 140.0) is not None
+    odd = ScalingPolicy(NodeRange(1, 3), odd_worlds, GrowPolicy(at_checkpoint=True), EvictPolicy(30))
+    assert odd.without_slow_node(2, 0) == "1 node(s) would not suit the target: TP 2 does not divide 1 ranks"
     consent = ScalingPolicy(NodeRange(2, 3), grow=GrowPolicy(grow_after_s=60), evict=EvictPolicy(30))
     assert consent.evict_now(3, 0, slow, None, 130.0) == Evict("n2", 30.0, "the program resumes itself")
     assert (

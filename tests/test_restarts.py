@@ -187,6 +187,14 @@ def test_a_stopped_rank_is_reported_as_a_hang_with_stacks(cluster, tmp_path):
     assert leftovers("hang") == ([], [])
 
 
+def _node_ids(ranks: list[dict]) -> list[str]:
+    """The node of each rank of topology.json, from its process (Ray keeps ended actors listed)."""
+    pids = [r["pid"] for r in ranks]
+    return [
+        next(a.node_id for a in list_actors(address=connected(), filters=[("pid", "=", p)])) for p in pids
+    ]
+
+
 def _node_of_rank(cluster, runs: Path, job: str, rank: int):
     ip_pid = json.loads((runs / job / "topology.json").read_text())["ranks"][rank]["pid"]
     node_id = next(a.node_id for a in list_actors(address=connected(), filters=[("pid", "=", ip_pid)]))
@@ -372,6 +380,61 @@ def test_the_megatron_target_names_a_rank_whose_forward_steps_are_slow_and_nobod
     # what it cost, in the goodput ledger (#47): a share of the training while it was slow
     spent = json.loads((tmp_path / job / "summary.json").read_text())["goodput"]["seconds"]
     assert 0 < spent["straggler"] < spent["training"], spent
+
+
+@pytest.mark.alone  # it times ranks against each other
+def test_a_node_whose_rank_stays_slow_is_dropped_at_the_next_checkpoint_and_kept_off(cluster, tmp_path):
+    """`--nodes 2:3 --evict-stragglers 5`: one CPU rank on each of 3 nodes (DP 3); rank 2, made 4x
+    slower after 12 s of training, is named, and 5 s later, at the next checkpoint, its node is dropped:
+    the job relaunches on the 2 others (not counted against --max-restarts, which is 0), resumes from
+    that checkpoint (no step after it lost), never places on the slow node again, and ends with exit 0.
+    The ledger puts the slow stretch under straggler and the relaunch under restarts."""
+    runs, ckpt, job = tmp_path / "runs", tmp_path / "ckpt", "evict"
+    args = (
+        "--nodes 2:3 --gpus-per-node 1 --device cpu --cpus-per-rank 0.5 --no-spares --evict-stragglers 5 "
+        f"--dry-run steps=450 save={ckpt} save_every=10 global_batch=24"
+    )
+    proc = driver(cluster, job, runs, args)
+    topology = runs / job / "topology.json"
+    wait_for_line(topology, r'"pid"', proc, timeout_s=120)
+    ranks = json.loads(topology.read_text())["ranks"]
+    named, training = threading.Event(), threading.Event()
+
+    def slow_after_balance() -> None:
+        if training.wait(120) and not named.wait(12.0):
+            throttle(ranks[2]["pid"], named)  # until the test ends: the process ends with its node's drop
+
+    throttler = threading.Thread(target=slow_after_balance, daemon=True)
+    throttler.start()
+    lines: list[str] = []
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if "progress: iteration " in line:
+                training.set()
+        proc.wait(timeout=300)
+    finally:
+        training.set()
+        named.set()
+        throttler.join()
+    out = "".join(lines)
+    assert proc.returncode == 0, out[-4000:]
+    assert re.search(r"rank 2 on \S+ \(\S+\) is slow: ", out), out[-3000:]
+    dropped = r"a rank on node \S+ \(\S+\) has been slow for \d+s and a checkpoint was saved since: dropping"
+    assert re.search(dropped + r" its node; relaunching every rank without it", out), out[-4000:]
+    summary = json.loads((runs / job / "summary.json").read_text())
+    assert [r["kind"] for r in summary["restarts"]] == ["evict"] and summary["status"] == "succeeded"
+    log = (runs / job / "rank-0.log").read_text()
+    before, after = log.split("resumed from checkpoint at iteration ")
+    saved = [int(n) for n in re.findall(r"saved checkpoint at iteration (\d+)", before)]
+    assert int(after.split()[0]) == max(saved), after[:200]  # the checkpoint that triggered the drop
+    relaunched = json.loads(topology.read_text())
+    assert relaunched["nodes"]["running"] == 2, relaunched
+    first, then = _node_ids(ranks), _node_ids(relaunched["ranks"])
+    assert len(set(first)) == 3 and first[2] not in then and len(set(then)) == 2, (first, then)
+    spent = summary["goodput"]["seconds"]
+    assert spent["straggler"] > 0 and spent["restarts"] > 0, spent
+    assert leftovers(job) == ([], [])
 
 
 def test_nodes_min_max_starts_on_what_the_cluster_holds_and_goes_on_with_fewer_after_a_lost_node(

@@ -211,8 +211,9 @@ class ScalingPolicy:
             return "the job runs on a fixed node count (--nodes N)"
         if self.takes(running - 1) or (room > 0 and self.takes(running)):
             return None
-        fewer = f"running on {running} of --nodes {self.asked}"
-        return f"{fewer}, a relaunch without it would not suit the target or fit the cluster"
+        if running - 1 < self.asked.min:
+            return f"running on {running} of --nodes {self.asked}, its minimum, with no room for another node"
+        return f"{running - 1} node(s) would not suit the target: {self.problem(running - 1)}"
 
     def evict_now(
         self, running: int, room: int, slow: dict[str, float], checkpoint_at: float | None, now: float

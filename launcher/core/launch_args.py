@@ -228,6 +228,13 @@ def spec_from_args(
             )
         env = parse_env_pairs(args.env, environ)
         nodes = parse_nodes(args.nodes)
+        ranged = (
+            ("--grow-after", args.grow_after, "grows"),
+            ("--evict-stragglers", args.evict_stragglers, "drops a node of"),
+        )
+        for flag, value, does in ranged:
+            if value is not None and not nodes.elastic:  # not LaunchSpec's: an attempt runs on N of them
+                raise UsageError(f"{flag} {does} a job of --nodes MIN:MAX: give a range, or drop it")
         return LaunchSpec(
             nodes=nodes.max,
             min_nodes=nodes.min if nodes.elastic else None,

@@ -106,14 +106,11 @@ class LaunchSpec:
         for flag, value in (("--exit-grace", self.exit_grace_s), ("--kill-grace", self.kill_grace_s)):
             if value < 0:
                 raise ValueError(f"{flag} must be 0 or more seconds, got {value}")
-        for flag, value, does in (
-            ("--grow-after", self.grow_after_s, "grows"),
-            ("--evict-stragglers", self.evict_after_s, "drops a node of"),
-        ):
-            if value is not None and not value > 0:
+        for flag, value in (("--grow-after", self.grow_after_s), ("--evict-stragglers", self.evict_after_s)):
+            if (
+                value is not None and not value > 0
+            ):  # with a range: spec_from_args (an attempt's spec has none)
                 raise ValueError(f"{flag} must be above 0 seconds, got {value}")
-            if value is not None and not self.node_range.elastic:
-                raise ValueError(f"{flag} {does} a job of --nodes MIN:MAX: give a range, or drop it")
         if self.gpu_memory_gb is not None and self.gpu_memory_gb <= 0:
             raise ValueError(f"--gpu-memory-gb must be above 0, got {self.gpu_memory_gb}")
         if self.peak_tflops <= 0:
