@@ -173,10 +173,9 @@ def test_a_slow_node_is_dropped_at_the_first_checkpoint_once_due_if_the_job_goes
     ):  # fmt: skip
         with pytest.raises(UsageError, match=re.escape(said)):
             spec_from_args(["--nodes", "2:3", *flags, "--dry-run"], environ={})
-    assert (
-        spec_from_args(["--nodes", "2:3", "--evict-stragglers", "30", "--dry-run"], environ={}).evict_after_s
-        == 30
-    )
+    given = ["--nodes", "2:3", "--evict-stragglers", "30", "--grow-after", "9", "--dry-run"]
+    spec = spec_from_args(given, environ={})
+    assert spec.evict_after_s == 30 and spec.at_nodes(2).grow_after_s == 9  # an attempt at MIN (it raised)
 
 
 def test_a_slow_rank_not_dropped_is_told_once_what_it_costs_and_what_would_fix_it(tmp_path, caplog):
