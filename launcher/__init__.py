@@ -8,7 +8,8 @@ From Python, the same path as the command line:
 
 `launch`, `LaunchResult`, `RankGroup` and `RankGang` import Ray on first use, so that importing the
 package stays light and the CLI can configure Ray's logging before Ray is imported. `report()` sends
-progress to the driver from a rank (a no-op outside a launch).
+progress to the driver from a rank, `checkpointing()` wraps a checkpoint save (no-ops outside a
+launch).
 
 The package is grouped by where code runs: `core/` (pure decisions, no Ray or torch), `driver/`
 (the launch and everything that talks to Ray), `rank/` (inside each rank's process), `megatron/`
@@ -28,7 +29,7 @@ from .core.launch_args import spec_from_args
 from .core.recipes import Recipe, load_recipe
 from .core.spec import LaunchSpec
 from .core.target import Target, TargetKind
-from .rank.capture import report
+from .rank.capture import checkpointing, report
 
 __all__ = [
     "ClusterError",
@@ -46,6 +47,7 @@ __all__ = [
     "Target",
     "TargetKind",
     "UsageError",
+    "checkpointing",
     "launch",
     "load_recipe",
     "report",

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from launcher.core.goodput import Cause, GoodputTrack, Ledger, ledger
+from launcher.core.goodput import NO_CHECKPOINTS, Cause, GoodputTrack, Ledger, advice, ledger
+from launcher.core.progress import Phase, parse_checkpoint_line
 
 
 def _track(*attempts: list[tuple[float, int]]) -> GoodputTrack:
@@ -22,7 +23,7 @@ def test_one_attempt_is_start_up_training_and_the_end():
     spent = ledger(_track([(10.0, 1), (15.0, 6), (20.0, 11)]), began=0.0, ended=25.0)
     assert spent.seconds == {
         Cause.TRAINING: 10.0, Cause.STARTUP: 10.0, Cause.RESTARTS: 0.0, Cause.RECOMPUTED: 0.0,
-        Cause.STRAGGLER: 0.0, Cause.IDLE: 5.0,
+        Cause.CHECKPOINT: 0.0, Cause.STRAGGLER: 0.0, Cause.IDLE: 5.0,
     }  # fmt: skip
     assert spent.ratio == pytest.approx(0.4) and spent.restarts == 0
     assert spent.describe() == "goodput 40.0% of 25.0s: training 10.0s, start-up 10.0s, idle 5.0s"
@@ -36,12 +37,14 @@ def test_a_restart_from_an_older_checkpoint_counts_the_relaunch_and_the_iteratio
     spent = ledger(_track(first, second), began=0.0, ended=150.0)
     assert spent.seconds == {
         Cause.TRAINING: 49.0 + 50.0, Cause.STARTUP: 10.0, Cause.RESTARTS: 20.0, Cause.RECOMPUTED: 20.0,
-        Cause.STRAGGLER: 0.0, Cause.IDLE: 1.0,
+        Cause.CHECKPOINT: 0.0, Cause.STRAGGLER: 0.0, Cause.IDLE: 1.0,
     }  # fmt: skip
     assert sum(spent.seconds.values()) == pytest.approx(spent.wall_s) == 150.0
     assert spent.restarts == 1
-    assert spent.record()["seconds"] == {"training": 99.0, "start-up": 10.0, "restarts": 20.0,
-                                         "recomputed": 20.0, "straggler": 0.0, "idle": 1.0}  # fmt: skip
+    assert spent.record()["seconds"] == {
+        "training": 99.0, "start-up": 10.0, "restarts": 20.0, "recomputed": 20.0, "checkpoint": 0.0,
+        "straggler": 0.0, "idle": 1.0,
+    }  # fmt: skip
     assert "restarts 20.0s (1)" in spent.describe()
 
 
@@ -88,3 +91,61 @@ def test_a_named_straggler_costs_the_share_of_its_slowness_while_it_was_slow_and
     track.iteration(150.0, 122)
     again = ledger(track, began=0.0, ended=150.0)
     assert again.seconds[Cause.STRAGGLER] == pytest.approx(20.0)
+
+
+def test_checkpoints_saved_and_loaded_are_their_own_cause_wherever_they_fell_and_advise_an_interval():
+    """1 s an iteration; saves of 2 s at 30, 60, 90 (training), a failure after 99, a load of 5 s in the
+    restart, saves at 150 and 180, and a last one of 5 s after the last iteration (the end's)."""
+    track = _track([(10.0, 1), (99.0, 90)], [(120.0, 91), (189.0, 160)])
+    for start, end in ((30, 32), (60, 62), (90, 92), (150, 152), (180, 182), (190, 195)):
+        attempt = 0 if start < 100 else 1
+        _said(track, attempt, (Phase.SAVING, start), (Phase.SAVED, end))
+    _said(track, 1, (Phase.LOADING, 110.0), (Phase.LOADED, 115.0))
+    track.failures = 1
+    spent = ledger(track, began=0.0, ended=200.0)
+    assert spent.seconds == {
+        Cause.TRAINING: 148.0, Cause.STARTUP: 10.0, Cause.RESTARTS: 16.0, Cause.RECOMPUTED: 0.0,
+        Cause.CHECKPOINT: 20.0, Cause.STRAGGLER: 0.0, Cause.IDLE: 6.0,
+    }  # fmt: skip
+    assert "not_seen" not in spent.record() and NO_CHECKPOINTS in str(
+        ledger(_track([(1.0, 1)]), 0, 2).record()
+    )
+    assert advice(track, 200.0).far is False  # every 25 s, the best 32 s
+    far = advice(track, 20000.0)  # a failure every 5.5 hours: far fewer saves lose less
+    assert far.far and far.describe() == (
+        "checkpoints every 25.0s, each 2.5s to save, with a failure every 5h33m: saving about every 5m16s "
+        "(about 316 iterations) would lose least (Young-Daly: the square root of 2 x save cost x time "
+        "between failures)"
+    )
+    track.failures = 0
+    assert advice(track, 200.0) is None  # no failure: no time between failures to weigh
+    quick = _track([(10.0, 1), (99.0, 90)])
+    _said(quick, 0, (Phase.SAVING, 30.0), (Phase.SAVED, 30.2), (Phase.SAVING, 60.0), (Phase.SAVED, 60.2))
+    quick.failures = 1
+    assert advice(quick, 200.0) is None  # saves of 0.2 s: within what the lines' timing can tell
+
+
+def _said(track: GoodputTrack, attempt: int, *phases: tuple[Phase, float]) -> None:
+    """Checkpoint phases said during `attempt` (the stalls record which)."""
+    attempts = track.attempts
+    track.attempts = attempts[: attempt + 1]
+    for phase, at in phases:
+        track.checkpoint(phase, float(at))
+    track.attempts = attempts
+
+
+def test_the_checkpoint_lines_of_megatron_bridge_and_the_dry_run_are_read():
+    lines = {
+        "saving checkpoint at iteration     100 to /ckpt in torch_dist format": (Phase.SAVING, 100),
+        "  successfully saved checkpoint from iteration     100 to /ckpt [ t 1/2, p 1/1 ]": (
+            Phase.SAVED,
+            100,
+        ),
+        " loading distributed checkpoint from /ckpt at iteration 100": (Phase.LOADING, 100),
+        "  successfully loaded checkpoint from /ckpt [ t 0/2, p 0/1 ] at iteration 100": (Phase.LOADED, 100),
+        "saved checkpoint at iteration 30 to /tmp/c": (Phase.SAVED, 30),
+        "loading checkpoint from /tmp/c at iteration 30": (Phase.LOADING, 30),
+        "resumed from checkpoint at iteration 30 at DP 2 (saved at DP 3)": (Phase.LOADED, 30),
+        "iteration 30/ 40 | checkpoint": None,
+    }
+    assert {line: parse_checkpoint_line(line) for line in lines} == lines

@@ -139,7 +139,8 @@ def test_a_real_prometheus_holds_every_ranks_metrics_and_the_job_state_and_every
         # where the time went so far (#47): the relaunch, and training on both sides of it
         goodput = prom.query(f'ray_megaray_job_goodput_seconds{{megaray_job="{JOB}"}}')
         spent = {r["metric"]["cause"]: float(r["value"][1]) for r in goodput}
-        assert sorted(spent) == ["idle", "recomputed", "restarts", "start-up", "straggler", "training"], spent
+        causes = ["checkpoint", "idle", "recomputed", "restarts", "start-up", "straggler", "training"]
+        assert sorted(spent) == causes, spent
         assert spent["restarts"] > 0 and spent["training"] > 0 and spent["start-up"] > 0, spent
         steps = prom.query(per_rank[0])
         assert all(0.15 < float(r["value"][1]) < 2.0 for r in steps), steps  # it reports every 0.2 s

@@ -13,19 +13,34 @@ each with its time. The parts add up to the wall time:
 - recomputed: iterations an attempt made again after resuming from a checkpoint older than what an
   earlier attempt had reached, the first of them included (at that attempt's own time per
   iteration);
+- checkpoint: saving a checkpoint (taken from the training, or from the end where the last one is
+  saved after the last iteration) and loading one (taken from the start-up or the restart), from
+  the lines that start and end each (Megatron-Bridge's, the dry run's; a plain program's
+  `launcher.checkpointing`); a save whose start was not said is not seen (counted where it fell);
 - straggler: of the training while a rank was named slow (driver/supervision/stragglers.py), the
   share its slowness cost (`1 - 1/slowdown` of each second: the job went at its pace);
 - idle: after the last iteration, once the launch ended (the processes' exit, the teardown).
 
-Not seen yet, counted as training: checkpoint saves (their time is inside the iterations' times).
+The measured save cost and the failures give the checkpoint interval that loses least (`advice`:
+Young and Daly's √(2 x save cost x mean time between failures)).
 """
 
 from __future__ import annotations
 
+import itertools
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 
-from .progress import duration
+from .progress import Phase, duration
+
+# a save quicker than this is not weighed: the lines are timed as they reach the sink, batched by
+# the nodes' forwarders (a fraction of a second), and a save that costs nothing has no best interval
+MIN_SAVE_S = 1.0
+NO_CHECKPOINTS = (
+    "no checkpoint save or load was said (Megatron-Bridge's lines, the dry run's, or a plain program's "
+    "`launcher.checkpointing`): any is counted where it fell, most often as training"
+)
 
 
 class Cause(StrEnum):
@@ -33,6 +48,7 @@ class Cause(StrEnum):
     STARTUP = "start-up"
     RESTARTS = "restarts"
     RECOMPUTED = "recomputed"
+    CHECKPOINT = "checkpoint"
     STRAGGLER = "straggler"
     IDLE = "idle"
 
@@ -54,6 +70,16 @@ class AttemptTrack:
     last: Reported | None = None
 
 
+@dataclass(frozen=True)
+class Stall:
+    """A checkpoint saved (`save`) or loaded, from `start` to `end` (wall clock)."""
+
+    start: float
+    end: float
+    save: bool
+    attempt: int  # which attempt (0: the first)
+
+
 @dataclass
 class Slowed:
     """A rank named slow (driver/supervision/stragglers.py) from `since` until `until` (None: still),
@@ -72,6 +98,17 @@ class GoodputTrack:
         self.attempts: list[AttemptTrack] = [AttemptTrack()]
         self.slowed: list[Slowed] = []
         self.open: dict[int, Slowed] = {}  # by rank: named and not recovered
+        self.stalls: list[Stall] = []  # every checkpoint saved or loaded, start to end
+        self.started: dict[bool, float] = {}  # a save (True) or load (False) said started, not ended
+        self.failures = 0  # relaunches after a failure (not a grow's or an eviction's)
+
+    def checkpoint(self, phase: Phase, at: float) -> None:
+        """A rank said a checkpoint is being saved or loaded, or is (repeats of a start keep the first)."""
+        save = phase in (Phase.SAVING, Phase.SAVED)
+        if phase in (Phase.SAVING, Phase.LOADING):
+            self.started.setdefault(save, at)
+        elif (began := self.started.pop(save, None)) is not None and at >= began:
+            self.stalls.append(Stall(began, at, save, len(self.attempts) - 1))
 
     @property
     def first_at(self) -> float | None:
@@ -106,6 +143,7 @@ class Ledger:
     wall_s: float
     seconds: dict[Cause, float]
     restarts: int
+    not_seen: str = ""  # what the ledger could not tell apart, and where it counted it
 
     def __post_init__(self):
         total = sum(self.seconds.values())
@@ -124,7 +162,7 @@ class Ledger:
             "ratio": round(self.ratio, 4),
             "wall_s": round(self.wall_s, 3),
             "seconds": {cause.value: round(s, 3) for cause, s in self.seconds.items()},
-            "not_seen": "checkpoint saves are counted as training",
+            **({"not_seen": self.not_seen} if self.not_seen else {}),
         }
 
     def describe(self) -> str:
@@ -176,10 +214,82 @@ def ledger(track: GoodputTrack, began: float, ended: float, live: bool = False) 
     windows = [(first.at, last.at) for first, last in attempts]
     if live and reporting:  # the iteration in flight
         windows[-1] = (windows[-1][0], max(windows[-1][1], ended))
+    _take_stalls(seconds, track.stalls, windows, (began, ended), Cause.IDLE if reporting else Cause.RESTARTS)
     slowed = min(seconds[Cause.TRAINING], _slowed_s(track.slowed, windows, ended))
     seconds[Cause.TRAINING] -= slowed
     seconds[Cause.STRAGGLER] += slowed
-    return Ledger(max(wall, sum(seconds.values())), seconds, restarts=len(track.attempts) - 1)
+    unseen = "" if track.stalls else NO_CHECKPOINTS
+    return Ledger(max(wall, sum(seconds.values())), seconds, len(track.attempts) - 1, unseen)
+
+
+def _take_stalls(
+    seconds: dict[Cause, float], stalls: list[Stall], windows: list[tuple[float, float]],
+    launch: tuple[float, float], after: Cause,
+) -> None:  # fmt: skip
+    """Checkpoints saved and loaded, out of where they fell: the training windows, the start-up
+    (before the first), a restart (between two), or the end (`after`: idle, or a restart when the
+    last attempt never reported)."""
+    for stall in stalls:
+        start, end = max(stall.start, launch[0]), min(stall.end, launch[1])
+        if end <= start:
+            continue
+        inside = sum(max(0.0, min(end, b) - max(start, a)) for a, b in windows)
+        where = (
+            Cause.STARTUP if end <= windows[0][0] else after if start >= windows[-1][1] else Cause.RESTARTS
+        )
+        for cause, amount in ((Cause.TRAINING, inside), (where, end - start - inside)):
+            moved = min(max(0.0, amount), seconds[cause])
+            seconds[cause] -= moved
+            seconds[Cause.CHECKPOINT] += moved
+
+
+@dataclass(frozen=True)
+class Advice:
+    """Young and Daly's checkpoint interval, from what the run measured: a save's cost and the time
+    between failures (the interval that loses least to saving and to recomputing after a failure)."""
+
+    every_s: float  # the run's mean time from a save's start to the next's
+    save_s: float  # a save's mean cost
+    between_failures_s: float
+    iteration_s: float | None  # the training's time per iteration, where reported
+
+    @property
+    def best_s(self) -> float:
+        return math.sqrt(2.0 * self.save_s * self.between_failures_s)
+
+    @property
+    def far(self) -> bool:
+        """Worth saying: the run's interval over twice the best, or under half of it."""
+        return not 0.5 * self.best_s <= self.every_s <= 2.0 * self.best_s
+
+    def describe(self) -> str:
+        iterations = f" (about {self.best_s / self.iteration_s:.0f} iterations)" if self.iteration_s else ""
+        every, save = duration(self.every_s, tenths=True), duration(self.save_s, tenths=True)
+        return (
+            f"checkpoints every {every}, each {save} to save, with a failure every "
+            f"{duration(self.between_failures_s)}: saving about every {duration(self.best_s)}{iterations} "
+            "would lose least (Young-Daly: the square root of 2 x save cost x time between failures)"
+        )
+
+
+def advice(track: GoodputTrack, wall_s: float) -> Advice | None:
+    """Young-Daly's interval for a run of `wall_s` seconds, where it had a failure and two saves in
+    one attempt (an interval measured) that took MIN_SAVE_S or more; None otherwise."""
+    saves = [s for s in track.stalls if s.save]
+    gaps = [b.start - a.start for a, b in itertools.pairwise(saves) if a.attempt == b.attempt]
+    cost = sum(s.end - s.start for s in saves) / len(saves) if saves else 0.0
+    if track.failures < 1 or not gaps or cost < MIN_SAVE_S:
+        return None
+    made = [
+        (a.last.iteration - a.first.iteration, a.last.at - a.first.at)
+        for a in track.attempts
+        if a.first and a.last
+    ]
+    iterations, spent = sum(m for m, _ in made), sum(s for _, s in made)
+    return Advice(
+        sum(gaps) / len(gaps), cost, wall_s / track.failures,
+        spent / iterations if iterations > 0 else None,
+    )  # fmt: skip
 
 
 def _slowed_s(slowed: list[Slowed], windows: list[tuple[float, float]], ended: float) -> float:

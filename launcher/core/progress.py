@@ -8,6 +8,7 @@ import contextlib
 import re
 import time
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 # Dense BF16 peak of an H100 SXM (NVIDIA's datasheet gives 1,979 with sparsity): the MFU denominator
@@ -24,9 +25,36 @@ _ITERATION = re.compile(r"\biteration\s+(\d+)/\s*(\d+)\s*\|")
 _ELAPSED_MS = re.compile(r"elapsed time per iteration \(ms\):\s*([0-9.]+)")
 _GLOBAL_BATCH = re.compile(r"global batch size:\s*(\d+)")
 _LOSS = re.compile(r"\|\s*(lm loss|loss):\s*([-+0-9.eEnaif]+)\s*\|")
-# a checkpoint complete: Megatron-Bridge's `successfully saved checkpoint from iteration N to DIR`
-# (written once every rank saved), the dry-run trainer's `saved checkpoint at iteration N to DIR`
-_SAVED = re.compile(r"\b(?:successfully saved checkpoint from|saved checkpoint at) iteration\s+(\d+) to ")
+
+
+class Phase(StrEnum):
+    """Where a checkpoint is, as the ranks' lines (or `launcher.checkpointing`) say."""
+
+    SAVING = "saving"
+    SAVED = "saved"
+    LOADING = "loading"
+    LOADED = "loaded"
+
+
+# Megatron-Bridge's lines on rank 0 (training/checkpointing.py), the dry-run trainer's the same way:
+# `saving checkpoint at iteration N to DIR`, then `successfully saved checkpoint from iteration N to DIR`
+# once every rank saved (the dry run: `saved checkpoint at iteration N to DIR`); `loading checkpoint
+# from DIR at iteration N` (bridge: `loading distributed checkpoint ...`), then `successfully loaded
+# checkpoint from DIR [...] at iteration N` (the dry run: `resumed from checkpoint at iteration N`)
+_CHECKPOINT = (
+    (
+        Phase.SAVED,
+        re.compile(r"\b(?:successfully saved checkpoint from|saved checkpoint at) iteration\s+(\d+) to "),
+    ),
+    (Phase.SAVING, re.compile(r"\bsaving checkpoint at iteration\s+(\d+) to ")),
+    (
+        Phase.LOADED,
+        re.compile(
+            r"\b(?:successfully loaded checkpoint from .* at|resumed from checkpoint at) iteration\s+(\d+)"
+        ),
+    ),
+    (Phase.LOADING, re.compile(r"\bloading (?:distributed )?checkpoint from .* at iteration\s+(\d+)")),
+)
 
 
 def parse_megatron_line(line: str) -> dict[str, Any] | None:
@@ -55,10 +83,14 @@ def duration(seconds: float, tenths: bool = False) -> str:
     return f"{h}h{m:02d}m" if h else f"{m}m{s:02d}s" if m else f"{s}s"
 
 
-def parse_checkpoint_line(line: str) -> int | None:
-    """The iteration of a checkpoint the line says was saved, or None."""
-    m = _SAVED.search(line)
-    return int(m.group(1)) if m else None
+def parse_checkpoint_line(line: str) -> tuple[Phase, int] | None:
+    """What the line says of a checkpoint (saving, saved, loading, loaded) and its iteration, or None."""
+    if "checkpoint" not in line:
+        return None
+    for phase, pattern in _CHECKPOINT:
+        if m := pattern.search(line):
+            return phase, int(m.group(1))
+    return None
 
 
 @dataclass(frozen=True)

@@ -166,8 +166,10 @@ class Checkpoints:
 
         folder = self.root / f"iter_{iteration:07d}"
         folder.mkdir(parents=True, exist_ok=True)
-        torch.save(state, folder / _part_file(*part))
         rank = dist.get_rank()
+        if rank == 0:  # the start and end of a save, as Megatron-Bridge says them (the goodput ledger's)
+            print(f"saving checkpoint at iteration {iteration} to {self.root}", flush=True)
+        torch.save(state, folder / _part_file(*part))
         dist.barrier()
         if rank == 0:
             tmp = self.root / "latest.tmp"
@@ -310,6 +312,8 @@ def _train(steps, shape, layout, lr, ckpt, corpus=None) -> dict[str, Any]:
         dp_rank,
     )
     if first:
+        if rank == 0:  # the start and end of a load, as Megatron-Bridge says them (the goodput ledger's)
+            print(f"loading checkpoint from {ckpt.root} at iteration {first}", flush=True)
         state, own = ckpt.load(first, part)
         ddp.load_state_dict(state["model"])
         optimizer.load_state_dict(state["optimizer"])

@@ -19,11 +19,13 @@ import sys
 import threading
 import time
 from collections import deque
+from collections.abc import Iterator
 from concurrent.futures import Future
 from concurrent.futures import wait as wait_futures
 from typing import Any
 
 from ..core.outbatch import STDERR, STDOUT, Source
+from ..core.progress import Phase
 from ..core.reports import clean_report
 from .spool import err_spool
 
@@ -216,3 +218,27 @@ def report(
         if "report" not in _said:
             _said.add("report")
             print(f"megaray: report() was not sent: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+
+
+@contextlib.contextmanager
+def checkpointing(iteration: int, loading: bool = False) -> Iterator[None]:
+    """Around a plain program's checkpoint save (or load, `loading`), from any rank: the launch's
+    goodput ledger counts its time as checkpoint, not training (Megatron-Bridge's own lines say it
+    for its targets), and its save cost sets the interval advised at the end. A save that raises is
+    not counted as done. Outside a megaray launch this does nothing, as `report()`.
+
+        with checkpointing(step):
+            torch.save(state, path)
+    """
+    start, end = (Phase.LOADING, Phase.LOADED) if loading else (Phase.SAVING, Phase.SAVED)
+    _checkpoint(start, iteration)
+    yield
+    _checkpoint(end, iteration)
+
+
+def _checkpoint(phase: Phase, iteration: int) -> None:
+    if current_sink() is None or _current.stopped:
+        return
+    with contextlib.suppress(Exception):  # never the program's failure (a value that is no number)
+        record = {"checkpoint": int(iteration), "phase": phase.value, "time": time.time()}
+        _current.reports.append((int(os.environ.get("RANK", "0")), record))

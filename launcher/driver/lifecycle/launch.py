@@ -13,7 +13,7 @@ from typing import Any
 
 from ...core.elastic import EvictPolicy, GrowPolicy, ScalingPolicy
 from ...core.errors import Interrupted, MegarayError, RankFailedError, UsageError
-from ...core.goodput import ledger
+from ...core.goodput import advice, ledger
 from ...core.outcome import LaunchResult, run_outcome
 from ...core.policy import FailurePolicy
 from ...core.profiles import load_profile
@@ -210,6 +210,10 @@ def _record(
     spent = ledger(progress.goodput, run.started, time.time())
     if spent is not None:
         log.info("%s", spent.describe())
+    interval = advice(progress.goodput, spent.wall_s) if spent is not None else None
+    advised = {"advice": interval.describe()} if interval is not None and interval.far else {}
+    if advised:  # the checkpoint interval far from what the save cost and the failures suggest
+        log.info("%s", advised["advice"])
     run.write_summary(
         job=spec.job_name,
         world_size=attempt.spec.world_size if attempt is not None else spec.world_size,  # the last attempt's
@@ -219,6 +223,6 @@ def _record(
         states=[{"state": s, "at": at} for s, at in controller.history] if controller else [],
         timings=attempt.timings if attempt is not None else {},
         progress={**progress.stats, "first_report_at": progress.first_at} if progress.stats else {},
-        goodput=spent.record() if spent is not None else None,
+        goodput={**spent.record(), **advised} if spent is not None else None,
     )
     log.info("run directory: %s", run.path)

@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from ...core.goodput import GoodputTrack
-from ...core.lifecycle import LaunchObserver, LaunchState
+from ...core.lifecycle import LaunchObserver, LaunchState, Restart, RestartKind
 from ...core.outbatch import STDERR
 from ...core.progress import TrainingFacts, duration, tflops_per_gpu
 
@@ -59,6 +59,10 @@ class ProgressView(LaunchObserver):
             self.restarts += 1
             self.last = None
             self.goodput.relaunched()
+
+    def on_restart(self, restart: Restart) -> None:
+        if restart.kind is RestartKind.FAILURE:  # the time between failures (core/goodput.py `advice`)
+            self.goodput.failures += 1
 
     def update(self, record: dict[str, Any]) -> None:
         """A rank's progress; the same iteration again (another rank's report of it) changes nothing."""

@@ -17,6 +17,7 @@ from typing import Any
 import ray
 
 from ...core.metrics import RankLabels
+from ...core.progress import Phase
 from ...core.spec import RAY_NAMESPACE
 from ..gang.actors import first_line, kill_actors, on_node
 from ..supervision.stragglers import StragglerWatch
@@ -185,8 +186,11 @@ class OutputRelay:
                 if self.stragglers is not None:
                     self.stragglers.sample(record["sample"])
                 continue
-            if "checkpoint" in record:
-                self.last_checkpoint_at = time.monotonic()
+            if "checkpoint" in record:  # a line that says so, or `launcher.checkpointing`
+                phase = Phase(record.get("phase", Phase.SAVED))
+                if phase is Phase.SAVED:
+                    self.last_checkpoint_at = time.monotonic()
+                self.progress.goodput.checkpoint(phase, record.get("time", time.time()))
                 continue
             self.progress.update(record)
             self.progress_seen = True

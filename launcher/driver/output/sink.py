@@ -121,8 +121,11 @@ class OutputSink:
             record = parse_megatron_line(ln)
             if record is not None:
                 self.progress.append({**record, "rank": rank})
-            elif (saved := parse_checkpoint_line(ln)) is not None:
-                self.progress.append({"rank": rank, "checkpoint": saved})
+            elif (said := parse_checkpoint_line(ln)) is not None:
+                phase, iteration = said
+                self.progress.append(
+                    {"rank": rank, "checkpoint": iteration, "phase": phase.value, "time": time.time()}
+                )
         if rank in self.console_ranks:
             self.console.extend((source.stream, tag + ln) for ln in lines if not ray_crash_line(ln))
 
