@@ -149,3 +149,15 @@ def test_the_checkpoint_lines_of_megatron_bridge_and_the_dry_run_are_read():
         "iteration 30/ 40 | checkpoint": None,
     }
     assert {line: parse_checkpoint_line(line) for line in lines} == lines
+
+
+def test_iterations_made_again_are_timed_without_the_saves_made_meanwhile():
+    """As the restart test above (31..50 made again at 1 s each), with a 9 s save during the
+    relaunch's 69 iterations: an iteration counts (69 - 9) / 69 s, so 20 made again are 17.4 s (not
+    20 s, of which the save's share), and the save is the checkpoint's."""
+    track = _track([(10.0, 1), (59.0, 50)], [(80.0, 31), (149.0, 100)])
+    _said(track, 1, (Phase.SAVING, 100.0), (Phase.SAVED, 109.0))
+    spent = ledger(track, began=0.0, ended=150.0).seconds
+    assert spent[Cause.RECOMPUTED] == pytest.approx(20 * 60 / 69) and spent[Cause.CHECKPOINT] == 9.0
+    assert spent[Cause.TRAINING] == pytest.approx(49 + 69 + 60 / 69 - 20 * 60 / 69 - 9)
+    assert sum(spent.values()) == pytest.approx(150.0)

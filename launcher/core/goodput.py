@@ -194,10 +194,12 @@ def ledger(track: GoodputTrack, began: float, ended: float, live: bool = False) 
         span = max(0.0, last.at - first.at)
         made = last.iteration - first.iteration
         again = max(0, min(last.iteration, reached) - first.iteration)
-        recomputed = span * again / made if made > 0 else 0.0
+        # an iteration's time, less the checkpoints saved meanwhile (their own cause, below)
+        each = max(0.0, span - _overlap(track.stalls, first.at, last.at)) / made if made > 0 else 0.0
+        recomputed = each * again
         if previous_last is not None and first.iteration <= reached and made > 0:
             # the first iteration reported, itself made again, ended the gap: its time is recomputed
-            own = min(gap, span / made)
+            own = min(gap, each)
             gap, recomputed = gap - own, recomputed + own
             span += own
         seconds[Cause.STARTUP if previous_last is None else Cause.RESTARTS] += gap
@@ -222,6 +224,10 @@ def ledger(track: GoodputTrack, began: float, ended: float, live: bool = False) 
     return Ledger(max(wall, sum(seconds.values())), seconds, len(track.attempts) - 1, unseen)
 
 
+def _overlap(stalls: list[Stall], start: float, end: float) -> float:
+    return sum(max(0.0, min(end, s.end) - max(start, s.start)) for s in stalls)
+
+
 def _take_stalls(
     seconds: dict[Cause, float], stalls: list[Stall], windows: list[tuple[float, float]],
     launch: tuple[float, float], after: Cause,
@@ -233,7 +239,7 @@ def _take_stalls(
         start, end = max(stall.start, launch[0]), min(stall.end, launch[1])
         if end <= start:
             continue
-        inside = sum(max(0.0, min(end, b) - max(start, a)) for a, b in windows)
+        inside = sum(_overlap([stall], a, b) for a, b in windows)
         where = (
             Cause.STARTUP if end <= windows[0][0] else after if start >= windows[-1][1] else Cause.RESTARTS
         )
