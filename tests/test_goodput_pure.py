@@ -161,3 +161,17 @@ def test_iterations_made_again_are_timed_without_the_saves_made_meanwhile():
     assert spent[Cause.RECOMPUTED] == pytest.approx(20 * 60 / 69) and spent[Cause.CHECKPOINT] == 9.0
     assert spent[Cause.TRAINING] == pytest.approx(49 + 69 + 60 / 69 - 20 * 60 / 69 - 9)
     assert sum(spent.values()) == pytest.approx(150.0)
+    cut = _track([(10.0, 1), (59.0, 50)])
+    cut.checkpoint(Phase.SAVING, 58.0)  # the failure cut it short
+    cut.relaunched()
+    cut.checkpoint(Phase.SAVING, 100.0)
+    cut.checkpoint(Phase.SAVED, 101.0)
+    assert [(s.start, s.end) for s in cut.stalls] == [(100.0, 101.0)]
+
+
+def test_iterations_made_again_are_timed_at_their_own_pace_not_the_attempts_mean():
+    """Made again 31..50 at 1 s each (caught up at 99 s), then slower (a straggler): the 20 made
+    again are 20 s, not 20 at the attempt's mean pace."""
+    track = _track([(10.0, 1), (59.0, 50)], [(80.0, 31), (99.0, 50), (200.0, 100)])
+    spent = ledger(track, began=0.0, ended=200.0).seconds
+    assert spent[Cause.RECOMPUTED] == pytest.approx(20.0) and spent[Cause.RESTARTS] == pytest.approx(20.0)

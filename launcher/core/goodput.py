@@ -63,11 +63,13 @@ class Reported:
 
 @dataclass
 class AttemptTrack:
-    """One attempt's first and last reported iterations (each report higher than the one before):
-    all the ledger needs, whatever the run's length."""
+    """One attempt's first and last reported iterations (each report higher than the one before),
+    and the first that reached what earlier attempts had (`caught_up`: the end of the iterations
+    made again): all the ledger needs, whatever the run's length."""
 
     first: Reported | None = None
     last: Reported | None = None
+    caught_up: Reported | None = None
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,7 @@ class GoodputTrack:
         self.stalls: list[Stall] = []  # every checkpoint saved or loaded, start to end
         self.started: dict[bool, float] = {}  # a save (True) or load (False) said started, not ended
         self.failures = 0  # relaunches after a failure (not a grow's or an eviction's)
+        self.reached = 0  # the highest iteration the attempts before the current one reported
 
     def checkpoint(self, phase: Phase, at: float) -> None:
         """A rank said a checkpoint is being saved or loaded, or is (repeats of a start keep the first)."""
@@ -119,7 +122,9 @@ class GoodputTrack:
         last = self.attempts[-1].last
         for rank, slowed in list(self.open.items()):  # ended with its attempt
             self.recovered(rank, last.at if last is not None else slowed.since)
+        self.reached = max(self.reached, last.iteration if last is not None else 0)
         self.attempts.append(AttemptTrack())
+        self.started.clear()  # a save or load the failure cut short: never ended
 
     def straggler(self, rank: int, since: float, slowdown: float) -> None:
         self.open[rank] = Slowed(since, slowdown)
@@ -134,6 +139,8 @@ class GoodputTrack:
         attempt.last = Reported(at, iteration)
         if attempt.first is None:
             attempt.first = attempt.last
+        if attempt.caught_up is None and iteration >= self.reached:
+            attempt.caught_up = attempt.last
 
 
 @dataclass(frozen=True)
@@ -182,20 +189,29 @@ def ledger(track: GoodputTrack, began: float, ended: float, live: bool = False) 
     reported (a plain program that never calls `report()`: nothing to count). The time after the last
     report is the end's (idle) once the launch ended; `live` (while it runs), the iteration in flight
     (training). Either way, after a relaunch that has not reported yet it is the restart's."""
-    attempts = [(a.first, a.last) for a in track.attempts if a.first is not None and a.last is not None]
+    attempts = [
+        (a.first, a.last, a.caught_up) for a in track.attempts if a.first is not None and a.last is not None
+    ]
     if not attempts:
         return None
     wall = max(0.0, ended - began)
     seconds = dict.fromkeys(Cause, 0.0)
     reached = 0  # the highest iteration any earlier attempt reported
     previous_last: float | None = None
-    for first, last in attempts:
+    for first, last, caught_up in attempts:
         gap = max(0.0, first.at - (began if previous_last is None else previous_last))
         span = max(0.0, last.at - first.at)
         made = last.iteration - first.iteration
         again = max(0, min(last.iteration, reached) - first.iteration)
-        # an iteration's time, less the checkpoints saved meanwhile (their own cause, below)
-        each = max(0.0, span - _overlap(track.stalls, first.at, last.at)) / made if made > 0 else 0.0
+        # an iteration made again: its time from the first to catching up (or the attempt's end),
+        # less the checkpoints saved meanwhile (their own cause, below)
+        upto = caught_up if caught_up is not None and caught_up.iteration > first.iteration else last
+        timed = upto.iteration - first.iteration
+        each = (
+            max(0.0, upto.at - first.at - _overlap(track.stalls, first.at, upto.at)) / timed
+            if timed > 0
+            else 0.0
+        )
         recomputed = each * again
         if previous_last is not None and first.iteration <= reached and made > 0:
             # the first iteration reported, itself made again, ended the gap: its time is recomputed
@@ -213,7 +229,7 @@ def ledger(track: GoodputTrack, began: float, ended: float, live: bool = False) 
         rest = 0.0
     reporting = track.attempts[-1].first is not None
     seconds[Cause.RESTARTS if not reporting else Cause.TRAINING if live else Cause.IDLE] += rest
-    windows = [(first.at, last.at) for first, last in attempts]
+    windows = [(first.at, last.at) for first, last, _ in attempts]
     if live and reporting:  # the iteration in flight
         windows[-1] = (windows[-1][0], max(windows[-1][1], ended))
     _take_stalls(seconds, track.stalls, windows, (began, ended), Cause.IDLE if reporting else Cause.RESTARTS)

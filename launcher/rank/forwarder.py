@@ -82,7 +82,9 @@ class NodeForwarder:
     async def reports(self, batch: list[tuple[int, dict[str, Any]]]) -> None:
         """A rank's report() calls since its output thread's last turn (rank/capture.py)."""
         for rank, record in batch:
-            if self.metrics is not None:
+            if (
+                self.metrics is not None and "iteration" in record
+            ):  # progress (not a checkpoint's start or end)
                 self.metrics.report(rank, record)
             self.held.reports.append((rank, record))
         if self.metrics is not None:
