@@ -167,6 +167,13 @@ def test_iterations_made_again_are_timed_without_the_saves_made_meanwhile():
     cut.checkpoint(Phase.SAVING, 100.0)
     cut.checkpoint(Phase.SAVED, 101.0)
     assert [(s.start, s.end) for s in cut.stalls] == [(100.0, 101.0)]
+    ranks = GoodputTrack()  # every rank saving its part: from the first's start to the last's end
+    for phase, at, rank in ((Phase.SAVING, 10.0, 0), (Phase.SAVING, 10.5, 1), (Phase.SAVED, 11.0, 0)):
+        ranks.checkpoint(phase, at, rank)
+    assert ranks.stalls == []
+    ranks.checkpoint(Phase.SAVED, 12.0, 1)
+    ranks.checkpoint(Phase.SAVED, 12.5, 1)  # a repeat: nothing open
+    assert [(s.start, s.end) for s in ranks.stalls] == [(10.0, 12.0)]
 
 
 def test_iterations_made_again_are_timed_at_their_own_pace_not_the_attempts_mean():
@@ -175,3 +182,13 @@ def test_iterations_made_again_are_timed_at_their_own_pace_not_the_attempts_mean
     track = _track([(10.0, 1), (59.0, 50)], [(80.0, 31), (99.0, 50), (200.0, 100)])
     spent = ledger(track, began=0.0, ended=200.0).seconds
     assert spent[Cause.RECOMPUTED] == pytest.approx(20.0) and spent[Cause.RESTARTS] == pytest.approx(20.0)
+
+
+def test_a_straggler_costs_nothing_of_the_checkpoints_saved_while_it_was_slow():
+    """Named slow (2x) from 20 s to 60 s, with a 10 s save inside: 30 s of training at half speed."""
+    track = _track([(10.0, 1), (90.0, 81)])
+    track.straggler(3, since=20.0, slowdown=2.0)
+    _said(track, 0, (Phase.SAVING, 30.0), (Phase.SAVED, 40.0))
+    track.recovered(3, until=60.0)
+    spent = ledger(track, began=0.0, ended=90.0).seconds
+    assert spent[Cause.STRAGGLER] == pytest.approx(15.0) and spent[Cause.CHECKPOINT] == pytest.approx(10.0)

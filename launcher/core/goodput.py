@@ -101,17 +101,23 @@ class GoodputTrack:
         self.slowed: list[Slowed] = []
         self.open: dict[int, Slowed] = {}  # by rank: named and not recovered
         self.stalls: list[Stall] = []  # every checkpoint saved or loaded, start to end
-        self.started: dict[bool, float] = {}  # a save (True) or load (False) said started, not ended
+        # a save (True) or load (False) said started and not ended: since when, by which ranks
+        self.started: dict[bool, tuple[float, set[int]]] = {}
         self.failures = 0  # relaunches after a failure (not a grow's or an eviction's)
         self.reached = 0  # the highest iteration the attempts before the current one reported
 
-    def checkpoint(self, phase: Phase, at: float) -> None:
-        """A rank said a checkpoint is being saved or loaded, or is (repeats of a start keep the first)."""
+    def checkpoint(self, phase: Phase, at: float, rank: int = 0) -> None:
+        """Rank `rank` said a checkpoint is being saved or loaded, or is: from the first rank's start
+        to the end of the last that started (Megatron-Bridge says it on rank 0 only; a plain
+        program's every rank may, each saving its part)."""
         save = phase in (Phase.SAVING, Phase.SAVED)
         if phase in (Phase.SAVING, Phase.LOADING):
-            self.started.setdefault(save, at)
-        elif (began := self.started.pop(save, None)) is not None and at >= began:
-            self.stalls.append(Stall(began, at, save, len(self.attempts) - 1))
+            self.started.setdefault(save, (at, set()))[1].add(rank)
+        elif (began := self.started.get(save)) is not None and rank in began[1]:
+            began[1].discard(rank)
+            if not began[1]:
+                del self.started[save]
+                self.stalls.append(Stall(began[0], max(at, began[0]), save, len(self.attempts) - 1))
 
     @property
     def first_at(self) -> float | None:
@@ -233,7 +239,7 @@ def ledger(track: GoodputTrack, began: float, ended: float, live: bool = False) 
     if live and reporting:  # the iteration in flight
         windows[-1] = (windows[-1][0], max(windows[-1][1], ended))
     _take_stalls(seconds, track.stalls, windows, (began, ended), Cause.IDLE if reporting else Cause.RESTARTS)
-    slowed = min(seconds[Cause.TRAINING], _slowed_s(track.slowed, windows, ended))
+    slowed = min(seconds[Cause.TRAINING], _slowed_s(track.slowed, windows, ended, track.stalls))
     seconds[Cause.TRAINING] -= slowed
     seconds[Cause.STRAGGLER] += slowed
     unseen = "" if track.stalls else NO_CHECKPOINTS
@@ -314,13 +320,17 @@ def advice(track: GoodputTrack, wall_s: float) -> Advice | None:
     )  # fmt: skip
 
 
-def _slowed_s(slowed: list[Slowed], windows: list[tuple[float, float]], ended: float) -> float:
+def _slowed_s(
+    slowed: list[Slowed], windows: list[tuple[float, float]], ended: float, stalls: list[Stall]
+) -> float:
     """What the named stragglers cost the training: while one was slow, the job went at its pace, not
     its peers' (one rank `slowdown` times slower makes every step that much longer, its peers waiting
-    in the collectives), so of each such second `1 - 1/slowdown` was lost."""
+    in the collectives), so of each such second `1 - 1/slowdown` was lost; not of a checkpoint's
+    seconds meanwhile (their own cause)."""
     lost = 0.0
     for s in slowed:
         until = ended if s.until is None else s.until
-        overlap = sum(max(0.0, min(until, b) - max(s.since, a)) for a, b in windows)
+        spans = [(max(s.since, a), min(until, b)) for a, b in windows]
+        overlap = sum(max(0.0, hi - lo - _overlap(stalls, lo, hi)) for lo, hi in spans if hi > lo)
         lost += overlap * max(0.0, 1.0 - 1.0 / s.slowdown) if s.slowdown > 0 else 0.0
     return lost

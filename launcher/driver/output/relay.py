@@ -190,7 +190,9 @@ class OutputRelay:
                 phase = Phase(record.get("phase", Phase.SAVED))
                 if phase is Phase.SAVED:
                     self.last_checkpoint_at = time.monotonic()
-                self.progress.goodput.checkpoint(phase, record.get("time", time.time()))
+                self.progress.goodput.checkpoint(
+                    phase, record.get("time", time.time()), record.get("rank", 0)
+                )
                 continue
             self.progress.update(record)
             self.progress_seen = True
