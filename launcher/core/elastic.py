@@ -141,7 +141,7 @@ class EvictPolicy:
     """When a node whose rank is named slow is dropped (`--evict-stragglers AFTER_S`, `after_s`; None:
     never): once the rank has been slow for `after_s`, at the next checkpoint the target writes after
     that (no step older than it lost), or at once for a plain program that resumes itself (it gave
-    `--grow-after`, its consent to be relaunched while it runs: `consent`)."""
+    `--grow-after`, its consent to be relaunched while it runs)."""
 
     after_s: float | None = None
 
