@@ -32,8 +32,8 @@ from ..supervision.rank_ends import failed_before
 from ..supervision.stragglers import StragglerWatch
 from ..supervision.supervise import Supervision
 from .context import AttemptTarget, LaunchContext
-from .controller import Placing
 from .registry import runner_for
+from .states import Placing
 
 log = logging.getLogger("megaray")
 

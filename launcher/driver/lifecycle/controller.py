@@ -3,12 +3,13 @@ elastic's `WorkerState` do the same): placing -> starting -> running -> finishin
 rank failure the failure policy's decision: restarting (back to placing, with the failed attempt's
 warm spares) or failed. Ctrl-C/SIGTERM ends in interrupted, anything else in error.
 
-Each state is an object that carries what it needs, as Ray Train v2's `RestartingState` carries its
-failure: placing the attempt's number and the spares it takes over, restarting the relaunch and
-what goes with it, the ends the result or the failure. Each step is one method of the attempt
-(driver/lifecycle/attempt.py); the controller calls it and moves on, so every transition is tested against a
-fake attempt (tests/test_controller_pure.py). Whatever the ending, the attempt is torn down: every
-actor killed, every placement group removed, unless handed to the next attempt with its spares.
+Each state is an object that carries what it needs (driver/lifecycle/states.py), as Ray Train
+v2's `RestartingState` carries its failure: placing the attempt's number and the spares it takes
+over, restarting the relaunch and what goes with it, the ends the result or the failure. Each step
+is one method of the attempt (driver/lifecycle/attempt.py); the controller calls it and moves on,
+so every transition is tested against a fake attempt (tests/test_controller_pure.py). Whatever the
+ending, the attempt is torn down: every actor killed, every placement group removed, unless handed
+to the next attempt with its spares.
 """
 
 from __future__ import annotations
@@ -17,8 +18,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol
+from typing import Any, Protocol
 
 from ...core.elastic import Evict, GrowTo
 from ...core.errors import RankFailedError
@@ -27,6 +27,7 @@ from ...core.outcome import run_outcome
 from ...core.policy import FailureDecision, FailurePolicy
 from ...core.poll import AllReturned, PollStatus, RanksFailed, StillRunning
 from ..gang.sources import RELAUNCH_SETTLE_S
+from .states import Ended, Failed, Finishing, Placing, Restarting, Running, Starting, Step, Succeeded
 
 log = logging.getLogger("megaray")
 
@@ -53,71 +54,6 @@ class AttemptLike(Protocol):
     def hand_over(self) -> Any: ...
 
     def teardown(self) -> None: ...
-
-
-@dataclass(frozen=True)
-class Placing:
-    """Attempt `number` made and placed: on `spares` (the failed attempt's, handed over) when there
-    are some; `growing`: the relaunch of a grow, on the nodes that appeared; `avoid`: the nodes found
-    lost so far, left out of its placing; `evicted`: the slow nodes dropped (--evict-stragglers),
-    left out for good (a lost node that answers again is placed on again, not these)."""
-
-    number: int
-    spares: Any = None
-    growing: bool = False
-    avoid: frozenset[str] = frozenset()
-    evicted: frozenset[str] = frozenset()
-    kind: ClassVar[LaunchState] = LaunchState.PLACING
-
-
-@dataclass(frozen=True)
-class Starting:
-    kind: ClassVar[LaunchState] = LaunchState.STARTING
-
-
-@dataclass(frozen=True)
-class Running:
-    kind: ClassVar[LaunchState] = LaunchState.RUNNING
-
-
-@dataclass(frozen=True)
-class Finishing:
-    kind: ClassVar[LaunchState] = LaunchState.FINISHING
-
-
-@dataclass(frozen=True)
-class Restarting:
-    """The attempt torn down; the next one, `restart.attempt`, is placed with what it takes."""
-
-    restart: Restart
-    spares: Any = None
-    growing: bool = False
-    avoid: frozenset[str] = frozenset()
-    kind: ClassVar[LaunchState] = LaunchState.RESTARTING
-
-
-@dataclass(frozen=True)
-class Succeeded:
-    result: Any
-    kind: ClassVar[LaunchState] = LaunchState.SUCCEEDED
-
-
-@dataclass(frozen=True)
-class Failed:
-    """A rank failed with no restart left: `failure` is what the launch raises."""
-
-    failure: RankFailedError
-    kind: ClassVar[LaunchState] = LaunchState.FAILED
-
-
-@dataclass(frozen=True)
-class Ended:
-    """Interrupted or an error: `kind` from what was raised (core/outcome.run_outcome)."""
-
-    kind: LaunchState
-
-
-Step = Placing | Starting | Running | Finishing | Restarting | Succeeded | Failed | Ended
 
 
 class Controller:

@@ -30,8 +30,9 @@ from ..output.progress_view import ProgressView
 from ..output.rundir import RunDir, runs_root
 from .attempt import Attempt
 from .context import AttemptTarget, LaunchContext
-from .controller import Controller, Placing
+from .controller import Controller
 from .registry import runner_for
+from .states import Placing
 from .stop import EarlyInterrupt, StopSignal
 
 log = logging.getLogger("megaray")
