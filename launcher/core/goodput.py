@@ -332,5 +332,11 @@ def _slowed_s(
         until = ended if s.until is None else s.until
         spans = [(max(s.since, a), min(until, b)) for a, b in windows]
         overlap = sum(max(0.0, hi - lo - _overlap(stalls, lo, hi)) for lo, hi in spans if hi > lo)
-        lost += overlap * max(0.0, 1.0 - 1.0 / s.slowdown) if s.slowdown > 0 else 0.0
+        lost += slowed_cost(overlap, s.slowdown)
     return lost
+
+
+def slowed_cost(seconds: float, slowdown: float) -> float:
+    """What `seconds` of training cost while one rank was `slowdown` times slower than its peers: the
+    job went at its pace, so `1 - 1/slowdown` of each second was lost."""
+    return seconds * max(0.0, 1.0 - 1.0 / slowdown) if slowdown > 0 else 0.0

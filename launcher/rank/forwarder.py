@@ -82,9 +82,8 @@ class NodeForwarder:
     async def reports(self, batch: list[tuple[int, dict[str, Any]]]) -> None:
         """A rank's report() calls since its output thread's last turn (rank/capture.py)."""
         for rank, record in batch:
-            if (
-                self.metrics is not None and "iteration" in record
-            ):  # progress (not a checkpoint's start or end)
+            # progress only: not a checkpoint's start or end (launcher.checkpointing)
+            if self.metrics is not None and "iteration" in record:
                 self.metrics.report(rank, record)
             self.held.reports.append((rank, record))
         if self.metrics is not None:

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 
 from ...core.elastic import Evict, ScalingPolicy
+from ...core.goodput import slowed_cost
 from ...core.progress import duration
 from .stragglers import StragglerWatch
 
@@ -52,7 +53,7 @@ class EvictWatch:
             if rank in self.advised or now - since < after:
                 continue
             self.advised.add(rank)
-            cost = (now - since) * max(0.0, 1.0 - 1.0 / slowdown) if slowdown > 0 else 0.0
+            cost = slowed_cost(now - since, slowdown)
             head = (
                 f"rank {rank} on {self.names.get(self.node_of_rank[rank], '?')} has been slow for "
                 f"{duration(now - since)} (about {slowdown:.1f}x its peers): it has cost the job about "
