@@ -14,6 +14,7 @@ import inspect
 import os
 import time
 from collections.abc import Callable
+from enum import StrEnum
 from typing import Any
 
 from .layout import ParallelDims
@@ -21,6 +22,16 @@ from .spec import LaunchSpec
 from .target import Target
 
 BASE_IMPORTS = ("torch", "torch.distributed")
+
+
+class Answer(StrEnum):
+    """What a preflight worked out elsewhere came back as (megatron/preflight_process.py): defined here,
+    not in that module, which its process runs as `__main__`, so that the pickled answer reads back
+    as this class in the driver."""
+
+    PLAN = "plan"  # the plan: the launch goes on
+    REFUSED = "refused"  # a UsageError: the launch ends with its one line, exit 2
+    CRASHED = "crashed"  # the preflight itself failed: the ranks build the config themselves
 
 
 class Verdict[P]:

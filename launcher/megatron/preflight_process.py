@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from ..core.errors import MegarayError
-from ..core.runner import Verdict
+from ..core.runner import Answer, Verdict
 from ..core.spec import LaunchSpec
 from .preflight import Plan
 
@@ -165,7 +165,7 @@ class PreflightProcess(Verdict[Plan]):
             log.debug("the rank's process did not answer for the preflight: %s", e)
             return
         # a rank that could not build it (its imports failed) leaves the answer to this process
-        if not outcome.ok or outcome.value[0] == "crashed":
+        if not outcome.ok or outcome.value[0] is Answer.CRASHED:
             return
         self.cancel()
         self._done = True
@@ -184,17 +184,17 @@ class PreflightProcess(Verdict[Plan]):
             with open(os.path.join(self.folder, "verdict.pkl"), "rb") as f:
                 kind, value, records = pickle.load(f)
         except (OSError, EOFError, pickle.UnpicklingError, ValueError):
-            kind, value, records = "crashed", _tail(os.path.join(self.folder, "output")), []
+            kind, value, records = Answer.CRASHED, _tail(os.path.join(self.folder, "output")), []
         finally:
             shutil.rmtree(self.folder, ignore_errors=True)
         self._take(kind, value, records)
 
-    def _take(self, kind: str, value: Any, records: list[tuple[int, str]]) -> None:
+    def _take(self, kind: Answer, value: Any, records: list[tuple[int, str]]) -> None:
         for level, message in records:  # its lines, as the driver would have logged them
             log.log(level, "%s", message)
-        if kind == "plan":
+        if kind is Answer.PLAN:
             self._plan = value
-        elif kind == "refused":
+        elif kind is Answer.REFUSED:
             self._error = value
         else:
             log.warning(
@@ -220,7 +220,7 @@ class _Records(logging.Handler):
         self.records.append((record.levelno, record.getMessage()))
 
 
-def answer(spec: LaunchSpec, in_rank: bool = False) -> tuple[str, Any, list[tuple[int, str]]]:
+def answer(spec: LaunchSpec, in_rank: bool = False) -> tuple[Answer, Any, list[tuple[int, str]]]:
     """The verdict where this runs, as (kind, plan or error, the lines it logged): in this module's
     process, or (`in_rank`) in rank 0's, which has bridge imported (`PreflightProcess.ask`) and
     whose GPU stays visible."""
@@ -232,11 +232,11 @@ def answer(spec: LaunchSpec, in_rank: bool = False) -> tuple[str, Any, list[tupl
     log.setLevel(logging.INFO)
     log.propagate = False
     try:
-        return "plan", preflight(spec, hide_gpus=not in_rank), handler.records
+        return Answer.PLAN, preflight(spec, hide_gpus=not in_rank), handler.records
     except MegarayError as e:
-        return "refused", e, handler.records
+        return Answer.REFUSED, e, handler.records
     except Exception:
-        return "crashed", traceback.format_exc().strip().splitlines()[-1], handler.records
+        return Answer.CRASHED, traceback.format_exc().strip().splitlines()[-1], handler.records
     finally:
         log.removeHandler(handler)
         log.setLevel(saved[0])
