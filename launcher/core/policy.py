@@ -1,6 +1,14 @@
-"""What follows a failed attempt, decided from the failure alone (Ray Train's `FailurePolicy`
-makes the same decision from a typed failure): the controller (driver/lifecycle/controller.py) only carries
-it out, so the rule is tested without a cluster."""
+"""What follows a failed attempt (Ray Train's `FailurePolicy` makes the same decision from a typed
+failure): the controller (driver/lifecycle/controller.py) only carries it out, so the rule is tested
+without a cluster.
+
+The rule is torchrun's, on purpose: every kind of failure (a raise, an exit, a death, a hang, a lost
+node, a crash on the way out) counts against --max-restarts alike, as under torch elastic's agent,
+where a lost node is a failed rendezvous like any other. What is not a failure does not count: a
+grow onto new nodes (torch elastic's restart for nodes waiting) and an eviction of a slow node are
+the scaling policy's (core/elastic.py), decided apart. Ray Train v2 also counts failures to start
+the worker group apart from training failures; megaray does not, so that --max-restarts means what
+it means to a torchrun user."""
 
 from __future__ import annotations
 
