@@ -43,7 +43,7 @@ def _env() -> dict[str, str]:
     return env
 
 
-# Ray's health checks as the README shows tuning them (the head's GCS reads RAY_<setting>)
+# Ray's health checks as docs/guides/failures.md shows tuning them (the head's GCS reads RAY_<setting>)
 TUNED = {"RAY_health_check_period_ms": "500", "RAY_health_check_timeout_ms": "500",
          "RAY_health_check_failure_threshold": "3"}  # fmt: skip
 

@@ -2,13 +2,13 @@
 
 For each, the time from the event to every rank process gone with the job's placement groups
 removed, and to the driver's exit, on a simulated cluster (2 nodes x 1 CPU rank). Node loss is
-detected by Ray's health checks, set here as the README shows (period 500 ms, 3 misses); a hang by
---hang-timeout, which is subtracted so what is left is megaray's own delay (stack reading included).
-torchrun has no counterpart for those two: a lost node or a hung rank waits for NCCL's watchdog
-(10 minutes by default). Last, restart speed: with --max-restarts 1, from a rank's SIGKILL to the
-first training step after the relaunch, on warm spares (the default) and cold (--no-spares), with
-the Megatron dry-run trainer (megatron-core GPT, checkpoint every step) or, with --trainer loop, to
-every relaunched rank past init_process_group.
+detected by Ray's health checks, set here as docs/guides/failures.md shows (period 500 ms, 3
+misses); a hang by --hang-timeout, which is subtracted so what is left is megaray's own delay (stack
+reading included). torchrun has no counterpart for those two: a lost node or a hung rank waits for
+NCCL's watchdog (10 minutes by default). Last, restart speed: with --max-restarts 1, from a rank's
+SIGKILL to the first training step after the relaunch, on warm spares (the default) and cold
+(--no-spares), with the Megatron dry-run trainer (megatron-core GPT, checkpoint every step) or, with
+--trainer loop, to every relaunched rank past init_process_group.
 
     python bench/failures.py --repeats 3 --hang-timeout 3
 """

@@ -477,7 +477,7 @@ def test_ctrl_c_during_the_preflight_exits_130_in_one_line(check):
 def test_real_data_made_by_megatron_preprocessing_trains_the_dry_run_and_passes_the_preflight(
     tmp_path, capsys
 ):
-    # As the README gives it: a text file in the repository -> a tokenizer -> Megatron's preprocessing.
+    # As the Megatron guide gives it: text files in the repository -> a tokenizer -> Megatron's preprocessing.
     import subprocess
 
     out = tmp_path / "out"

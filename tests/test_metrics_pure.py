@@ -93,9 +93,9 @@ def test_labels_name_each_rank_and_its_node_or_under_metrics_node_the_node_alone
 
 
 def test_what_the_label_set_costs_at_8_and_4096_ranks():
-    """The README's cardinality figures: 11 per-rank metrics for each rank (or node); the job's 11
-    gauges and counters, its state for each of 9 states, failures of 5 kinds, restarts of 3, goodput
-    of 7 causes."""
+    """The cardinality figures of docs/guides/watching.md: 11 per-rank metrics for each rank (or
+    node); the job's 11 gauges and counters, its state for each of 9 states, failures of 5 kinds,
+    restarts of 3, goodput of 7 causes."""
     assert m.series_count(8, 1, MetricsMode.RANK) == 8 * 11 + 35 == 123
     assert m.series_count(4096, 512, MetricsMode.RANK) == 4096 * 11 + 35 == 45_091
     assert m.series_count(4096, 512, MetricsMode.NODE) == 512 * 11 + 35 == 5_667

@@ -29,13 +29,14 @@ START_UP = {"PYTHONHASHSEED": "0", "PYTHONDEVMODE": "1", "PYTHONWARNINGS": "igno
 SHELL = {"MY_PASSWORD": "hunter2", "AWS_CA_BUNDLE": "/etc/ssl/certs/ca-certificates.crt",
          "NCCL_DEBUG": "WARN", "OMP_NUM_THREADS": "2"}  # fmt: skip
 
-# What the probe sees differently, on purpose (README "The process" says why); any other difference
-# fails the test. The environment: megaray adds the node's GPU list, NODE_RANK, the network profile's
-# interface names and its Ray worker's own variables; the shell's reach it as under torchrun (a secret
-# too), less what describes the driver's machine and session (README "What reaches a rank"), which
-# the rank's node has of its own; torchrun's agent's own setting is not there. Modules: a Ray worker
-# has loaded Ray and what Ray imports (its serializers bring pyarrow, numpy and pydantic when the
-# process first reads a call's arguments), and megaray's own package.
+# What the probe sees differently, on purpose (docs/reference/environment.md, "The process", says
+# why); any other difference fails the test. The environment: megaray adds the node's GPU list,
+# NODE_RANK, the network profile's interface names and its Ray worker's own variables; the shell's
+# reach it as under torchrun (a secret too), less what describes the driver's machine and session
+# (docs/reference/environment.md, "What reaches a rank"), which the rank's node has of its own;
+# torchrun's agent's own setting is not there. Modules: a Ray worker has loaded Ray and what Ray
+# imports (its serializers bring pyarrow, numpy and pydantic when the process first reads a call's
+# arguments), and megaray's own package.
 ADDED_NAMES = {"CUDA_VISIBLE_DEVICES", "NODE_RANK", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "SPT_NOENV"}
 ADDED_PREFIXES = ("RAY_",)
 DROPPED_NAMES = {"TORCHELASTIC_SIGNALS_TO_HANDLE", "SHLVL"}  # the login shell's depth: a session's

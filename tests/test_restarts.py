@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from common import throttle
 
 # Ray declares a node dead after health_check_failure_threshold missed checks, one every
-# health_check_period_ms (defaults: 5 x 3 s): faster here, as the README shows how to set it.
+# health_check_period_ms (defaults: 5 x 3 s): faster here, as docs/guides/failures.md shows how to set it.
 HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
 NODE = {"num_cpus": 2, "num_gpus": 2, **SIMULATED_NODE}
 

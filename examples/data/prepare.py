@@ -1,8 +1,9 @@
 """A small real dataset in Megatron's indexed format, from a text file in this repository, offline.
 
-    python examples/data/prepare.py [--text README.md] [--out examples/data/out]
+    python examples/data/prepare.py [--text FILE ...] [--out examples/data/out]
 
-1. The text is cut into documents (its paragraphs) and written as JSONL, one {"text": ...} a line.
+1. The text (by default this repository's README and documentation, docs/) is cut into documents
+   (its paragraphs) and written as JSONL, one {"text": ...} a line.
 2. A byte-level BPE tokenizer is trained on it (HF `tokenizers`, saved as a tokenizer directory that
    `AutoTokenizer` and Megatron-Bridge's `HuggingFaceTokenizer` load), so nothing is downloaded.
 3. Megatron's preprocessing, as NVIDIA ships it for megatron-core (`modelopt.torch.utils.plugins.
@@ -47,13 +48,15 @@ def train_tokenizer(jsonl: Path, out: Path) -> None:
 
 def main(argv: list[str] | None = None) -> Path:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--text", default=str(HERE.parent.parent / "README.md"), help="default: README.md")
+    root = HERE.parent.parent
+    texts = [str(root / "README.md"), *sorted(str(f) for f in (root / "docs").rglob("*.md"))]
+    p.add_argument("--text", nargs="+", default=texts, help="default: README.md and docs/**/*.md")
     p.add_argument("--out", default=str(HERE / "out"), help="default: examples/data/out")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     jsonl = out / "corpus.jsonl"
-    docs = documents(Path(args.text).read_text())
+    docs = [d for text in args.text for d in documents(Path(text).read_text())]
     jsonl.write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
     train_tokenizer(jsonl, out / "tokenizer")
     for stale in (out / "corpus_text.bin", out / "corpus_text.idx"):  # the preprocessing skips existing
@@ -65,7 +68,8 @@ def main(argv: list[str] | None = None) -> Path:
         check=True,
     )  # fmt: skip
     prefix = out / "corpus_text"
-    print(f"{len(docs)} documents from {args.text}: {prefix}.bin and .idx; tokenizer {out / 'tokenizer'}")
+    made = f"{prefix}.bin and .idx; tokenizer {out / 'tokenizer'}"
+    print(f"{len(docs)} documents from {len(args.text)} file(s): {made}")
     return prefix
 
 

@@ -5,6 +5,7 @@ and bad input stay fast."""
 
 from __future__ import annotations
 
+import argparse
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -15,6 +16,8 @@ class Command:
     summary: str  # one line, for `megaray --help`
     # (name, the arguments after it, whether the process ends when it returns) -> exit code
     run: Callable[[str, list[str], bool], int]
+    # name -> the command's argument parser, for the reference (cli/reference.py)
+    parser: Callable[[str], argparse.ArgumentParser]
 
 
 def _jobs(name: str, argv: list[str], exits_after: bool) -> int:
@@ -41,22 +44,48 @@ def _recipes(_name: str, argv: list[str], _exits_after: bool) -> int:
     return main(argv)
 
 
+def _jobs_parser(name: str) -> argparse.ArgumentParser:
+    from .jobspec import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def _up_parser(name: str) -> argparse.ArgumentParser:
+    from .up import build_parser
+
+    return build_parser(name)
+
+
+def _doctor_parser(_name: str) -> argparse.ArgumentParser:
+    from .doctor import build_parser
+
+    return build_parser()
+
+
+def _recipes_parser(_name: str) -> argparse.ArgumentParser:
+    from .recipes import build_parser
+
+    return build_parser()
+
+
 COMMANDS: dict[str, Command] = {
     c.name: c
     for c in (
         Command("up", "start a local Ray that launches attach to, with a pool of rank processes (--warm: "
-                "torch imported)", _up),
+                "torch imported)", _up, _up_parser),
         Command("down", "stop the local Ray of `megaray up`, leaving no process (--address: give back "
-                "that cluster's warm pool)", _up),
-        Command("list", "show `megaray up`, its pool, and the cluster's submitted jobs", _jobs),
-        Command("submit", "run a launch as a Ray job on the cluster's head and stream its logs", _jobs),
-        Command("status", "show a submitted job's status, exit code, layout and target", _jobs),
-        Command("logs", "print a submitted job's logs (-f: until it ends)", _jobs),
-        Command("stop", "stop a submitted job and wait until it ended", _jobs),
+                "that cluster's warm pool)", _up, _up_parser),
+        Command("list", "show `megaray up`, its pool, and the cluster's submitted jobs", _jobs, _jobs_parser),
+        Command("submit", "run a launch as a Ray job on the cluster's head and stream its logs", _jobs,
+                _jobs_parser),
+        Command("status", "show a submitted job's status, exit code, layout and target", _jobs, _jobs_parser),
+        Command("logs", "print a submitted job's logs (-f: until it ends)", _jobs, _jobs_parser),
+        Command("stop", "stop a submitted job and wait until it ended", _jobs, _jobs_parser),
         Command("recipes", "list the recipes --recipe takes (ours and Megatron-Bridge's), or show one "
-                "resolved", _recipes),
+                "resolved", _recipes, _recipes_parser),
         Command("doctor", "check a cluster before a launch: versions, GPUs, network devices, disk, an "
-                "all-reduce", _doctor),
+                "all-reduce", _doctor, _doctor_parser),
     )
 }  # fmt: skip
 

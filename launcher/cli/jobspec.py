@@ -79,10 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     for name, what in (("status", "show a job's status"), ("stop", "stop a job and wait until it ended")):
         c = sub.add_parser(name, help=what)
-        c.add_argument("job")
+        c.add_argument("job", help="the job's id, as `megaray submit` and `megaray list` print it")
         c.add_argument("--address", help=addr)
     c = sub.add_parser("logs", help="print a job's logs")
-    c.add_argument("job")
+    c.add_argument("job", help="the job's id, as `megaray submit` and `megaray list` print it")
     c.add_argument("--address", help=addr)
     c.add_argument(
         "-f", "--follow", action="store_true", help="stream until the job ends; exit with its status"

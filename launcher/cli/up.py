@@ -33,7 +33,7 @@ def build_parser(command: str) -> argparse.ArgumentParser:
                        help="ranks per node (default 2)")  # fmt: skip
         p.add_argument("--device", choices=("cpu", "gpu"), default=None,
                        help="cpu (default here) or gpu (default with --address)")  # fmt: skip
-        p.add_argument("--cpus-per-rank", type=number, default=1.0)
+        p.add_argument("--cpus-per-rank", type=number, default=1.0, help="CPUs reserved per rank (default 1)")
         p.add_argument(
             "--warm",
             action="store_true",
