@@ -91,3 +91,19 @@ def test_the_readmes_commands_are_what_ci_runs_and_what_megaray_takes(tmp_path, 
             assert isinstance(parser.parse_args(argv[1:]), argparse.Namespace)
         else:
             spec_from_args(argv, environ={"PATH": os.environ.get("PATH", "")})
+
+
+def documented_fields(file: str) -> set[str]:
+    """The fields docs/reference/run-directory.md lists for `file` (`summary.json`, `topology.json`):
+    the launch tests check the files they read against them, so a field added or renamed is listed."""
+    page = (REPO / "docs" / "reference" / "run-directory.md").read_text()
+    table = page.split(f"## `{file}`", 1)[1].split("\n## ", 1)[0]
+    cells = [row.split(" | ")[0] for row in table.splitlines() if row.startswith("| `")]
+    return {name for cell in cells for name in re.findall(r"`([^`]+)`", cell)}
+
+
+def test_the_run_directory_reference_lists_the_fields():
+    assert {"status", "exit_code", "root_cause", "failures", "goodput", "duration_s"} <= documented_fields(
+        "summary.json"
+    )
+    assert {"master_addr", "master_port", "ranks", "nodes"} == documented_fields("topology.json")

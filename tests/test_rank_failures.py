@@ -17,6 +17,7 @@ import pytest
 import ray
 
 from .conftest import REPO, launch, leftovers
+from .test_docs import documented_fields
 
 pytestmark = pytest.mark.usefixtures("one_node")
 
@@ -227,6 +228,9 @@ def test_report_never_fails_the_program_and_os_exit_zero_is_a_success(tmp_path, 
     assert "progress: iteration 3/3 | loss 2.5" in err, err[-3000:]
     summary = json.loads((runs / "exitzero" / "summary.json").read_text())
     assert (summary["status"], summary["exit_code"]) == ("succeeded", 0)
+    assert set(summary) <= documented_fields("summary.json"), summary.keys()  # docs/reference
+    topology = json.loads((runs / "exitzero" / "topology.json").read_text())
+    assert set(topology) <= documented_fields("topology.json"), topology.keys()
     assert leftovers("exitzero") == ([], [])
 
 

@@ -24,6 +24,7 @@ from launcher.driver.supervision.supervise import STARTUP_GRACE_S
 
 from . import drive
 from .conftest import REPO, connected, free_port, leftovers
+from .test_docs import documented_fields
 
 sys.path.insert(0, str(REPO / "bench"))
 from common import throttle
@@ -130,6 +131,7 @@ def test_a_killed_rank_is_relaunched_and_training_resumes_from_the_last_checkpoi
     assert resumed == max(saved_before) >= 10  # nothing older than the last checkpoint
     summary = json.loads((runs / job / "summary.json").read_text())
     assert summary["status"] == "succeeded" and len(summary["restarts"]) == 1
+    assert set(summary) <= documented_fields("summary.json"), summary.keys()
     assert summary["restarts"][0]["warm_spares"] is True
     assert summary["progress"]["iteration"] == 40  # the iteration count carried on to the end
     assert summary["started_at"] < summary["progress"]["first_report_at"] < summary["ended_at"]
@@ -167,6 +169,7 @@ def test_restarts_exhausted_fail_with_the_last_cause(cluster, tmp_path):
     summary = json.loads((tmp_path / "exhaust" / "summary.json").read_text())
     assert (summary["status"], summary["exit_code"], len(summary["restarts"])) == ("failed", 1, 2)
     assert "rank one cannot go on" in summary["root_cause"]
+    assert "failures" in summary and set(summary) <= documented_fields("summary.json"), summary.keys()
     assert leftovers("exhaust") == ([], [])
 
 
@@ -391,6 +394,8 @@ def test_a_slow_rank_is_named_and_its_node_dropped_at_the_next_checkpoint_and_ke
     assert int(after.split()[0]) == max(saved), after[:200]  # the checkpoint that triggered the drop
     relaunched = json.loads(topology.read_text())
     assert relaunched["nodes"]["running"] == 2, relaunched
+    assert set(relaunched) == documented_fields("topology.json"), relaunched.keys()
+    assert set(summary) <= documented_fields("summary.json"), summary.keys()
     first, then = _node_ids(ranks), _node_ids(relaunched["ranks"])
     assert len(set(first)) == 3 and first[2] not in then and len(set(then)) == 2, (first, then)
     spent = summary["goodput"]["seconds"]  # what it cost (#47): a share of the training while slow
