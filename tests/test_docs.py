@@ -50,8 +50,9 @@ def test_the_cli_reference_is_what_the_parsers_make_and_explains_every_option():
 
 
 def test_the_torchrun_guides_option_table_lists_every_launch_option_and_no_other():
-    guide = (REPO / "docs" / "guides" / "torchrun.md").read_text().splitlines()
-    cells = [row.split(" | ")[0] for row in guide if row.startswith("| `-")]  # a row's first cell
+    guide = (REPO / "docs" / "guides" / "torchrun.md").read_text()
+    table = guide.split("| option | meaning |", 1)[1].split("\n\n", 1)[0].splitlines()
+    cells = [row.split(" | ")[0] for row in table if row.startswith("| `-")]  # a row's first cell
     listed = {t.split()[0] for cell in cells for t in re.findall(r"`([^`]+)`", cell) if t[0] == "-"}
     options = [a.option_strings for a in build_parser()._actions if a.option_strings]
     options = [names for names in options if names != ["-h", "--help"]]
