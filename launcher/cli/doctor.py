@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--gpus-per-node", "--nproc-per-node", dest="gpus_per_node", type=int,
         help="ranks per node the launch will use: each node must hold that many GPUs",
     )  # fmt: skip
-    p.add_argument("--device", choices=("gpu", "cpu"), default="gpu", help="the launch's (default gpu)")
+    p.add_argument("--device", choices=("gpu", "cpu"), default="gpu", help="the launch's device (gpu)")
     p.add_argument("--env-profile", help="the profile the launch will use: its network devices are checked")
     p.add_argument(
         "--all-links", action="store_true",

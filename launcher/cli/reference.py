@@ -30,6 +30,8 @@ def undocumented(parser: argparse.ArgumentParser) -> list[str]:
 
 
 def _actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The parser's options: argparse keeps them in `_actions` and has no public way to list them
+    (its own help formatter reads the same list)."""
     skipped = argparse._HelpAction | argparse._SubParsersAction  # -h; the commands, each its own
     return [a for a in parser._actions if not isinstance(a, skipped) and a.help != argparse.SUPPRESS]
 
