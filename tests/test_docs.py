@@ -9,6 +9,7 @@ import argparse
 import os
 import re
 import shlex
+from pathlib import Path
 
 import pytest
 
@@ -60,30 +61,34 @@ def test_the_torchrun_guides_option_table_lists_every_launch_option_and_no_other
     assert [names for names in options if not set(names) & listed] == []  # none left out
 
 
-def _readme_commands() -> list[list[str]]:
-    """Every `megaray ...` and `python main.py ...` line in the README's code blocks, as argv."""
-    commands, fenced = [], False
-    for line in README.read_text().splitlines():
+def _commands(page: Path) -> list[list[str]]:
+    """Every `megaray ...` and `python main.py ...` line in a page's code blocks, as argv (not the
+    usage lines of ```text blocks, which show the syntax)."""
+    commands, fence = [], None
+    for line in page.read_text().splitlines():
         if line.startswith("```"):
-            fenced = not fenced
-        elif fenced:
-            words = shlex.split(line.split("  #")[0])
-            if words[:1] == ["megaray"]:
+            fence = None if fence is not None else line[3:].strip()
+        elif fence not in (None, "text") and re.match(r"(\.venv/bin/)?megaray |python main\.py ", line):
+            words = shlex.split(re.split(r"\s#\s", line)[0])
+            if words[:1] in (["megaray"], [".venv/bin/megaray"]):
                 commands.append(words[1:])
             elif words[:2] == ["python", "main.py"]:
                 commands.append(words[2:])
     return commands
 
 
-def test_the_readmes_commands_are_what_ci_runs_and_what_megaray_takes(tmp_path, monkeypatch):
+def test_the_readmes_commands_are_what_ci_runs_and_every_command_shown_is_one_megaray_takes(
+    tmp_path, monkeypatch
+):
     readme = README.read_text()
     assert len(readme.splitlines()) <= 200, "the README stays short: the rest goes in docs/"
     ci = [ln for ln in (REPO / ".ci" / "run").read_text().splitlines() if ln.startswith("python -m venv")]
     assert len(ci) == 2 and all(f"\n{line}\n" in readme for line in ci), ci  # the demo, the tests
     (tmp_path / "train.py").write_text("")
     monkeypatch.chdir(tmp_path)  # `--working-dir .`: a submitted script must be in it
-    commands = _readme_commands()
-    assert len(commands) >= 10
+    pages = [README, *sorted((REPO / "docs").rglob("*.md"))]
+    commands = [argv for page in pages for argv in _commands(page)]
+    assert len(commands) >= 40 and len(_commands(README)) >= 10
     for argv in commands:
         if argv and argv[0] == "submit":
             submit_spec_from_args(argv[1:], environ={})
