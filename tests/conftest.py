@@ -4,6 +4,7 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -103,6 +104,15 @@ class _OneNode:
     """The local Ray of `one_node`, while it is up in this process."""
 
     up = False
+
+
+def documented_fields(file: str) -> set[str]:
+    """The fields docs/reference/run-directory.md lists for `file` (`summary.json`, `topology.json`):
+    the launch tests check the files they read against them, so a field added or renamed is listed."""
+    page = (REPO / "docs" / "reference" / "run-directory.md").read_text()
+    table = page.split(f"## `{file}`", 1)[1].split("\n## ", 1)[0]
+    cells = [row.split(" | ")[0] for row in table.splitlines() if row.startswith("| `")]
+    return {name for cell in cells for name in re.findall(r"`([^`]+)`", cell)}
 
 
 @pytest.fixture

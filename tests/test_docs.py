@@ -18,7 +18,7 @@ from launcher.cli.jobspec import submit_spec_from_args
 from launcher.cli.reference import markdown, parsers, undocumented
 from launcher.core.launch_args import build_parser, spec_from_args
 
-from .conftest import REPO
+from .conftest import REPO, documented_fields
 
 README = REPO / "README.md"
 
@@ -97,15 +97,6 @@ def test_the_readmes_commands_are_what_ci_runs_and_every_command_shown_is_one_me
             assert isinstance(parser.parse_args(argv[1:]), argparse.Namespace)
         else:
             spec_from_args(argv, environ={"PATH": os.environ.get("PATH", "")})
-
-
-def documented_fields(file: str) -> set[str]:
-    """The fields docs/reference/run-directory.md lists for `file` (`summary.json`, `topology.json`):
-    the launch tests check the files they read against them, so a field added or renamed is listed."""
-    page = (REPO / "docs" / "reference" / "run-directory.md").read_text()
-    table = page.split(f"## `{file}`", 1)[1].split("\n## ", 1)[0]
-    cells = [row.split(" | ")[0] for row in table.splitlines() if row.startswith("| `")]
-    return {name for cell in cells for name in re.findall(r"`([^`]+)`", cell)}
 
 
 def test_the_run_directory_reference_lists_the_fields():

@@ -16,8 +16,7 @@ import time
 import pytest
 import ray
 
-from .conftest import REPO, launch, leftovers
-from .test_docs import documented_fields
+from .conftest import REPO, documented_fields, launch, leftovers
 
 pytestmark = pytest.mark.usefixtures("one_node")
 

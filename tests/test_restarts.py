@@ -23,8 +23,7 @@ from launcher.driver.cluster.cluster import SIMULATED_NODE, stop_simulated
 from launcher.driver.supervision.supervise import STARTUP_GRACE_S
 
 from . import drive
-from .conftest import REPO, connected, free_port, leftovers
-from .test_docs import documented_fields
+from .conftest import REPO, connected, documented_fields, free_port, leftovers
 
 sys.path.insert(0, str(REPO / "bench"))
 from common import throttle
