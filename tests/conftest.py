@@ -106,13 +106,18 @@ class _OneNode:
     up = False
 
 
+def table_names(text: str) -> list[str]:
+    """What a Markdown table in `text` names in its rows' first cells, in backticks (`--nodes N`,
+    `summary.json`'s fields): the docs' tables that tests/test_docs.py and the launch tests check."""
+    cells = [row.split(" | ")[0] for row in text.splitlines() if row.startswith("| `")]
+    return [name for cell in cells for name in re.findall(r"`([^`]+)`", cell)]
+
+
 def documented_fields(file: str) -> set[str]:
     """The fields docs/reference/run-directory.md lists for `file` (`summary.json`, `topology.json`):
     the launch tests check the files they read against them, so a field added or renamed is listed."""
     page = (REPO / "docs" / "reference" / "run-directory.md").read_text()
-    table = page.split(f"## `{file}`", 1)[1].split("\n## ", 1)[0]
-    cells = [row.split(" | ")[0] for row in table.splitlines() if row.startswith("| `")]
-    return {name for cell in cells for name in re.findall(r"`([^`]+)`", cell)}
+    return set(table_names(page.split(f"## `{file}`", 1)[1].split("\n## ", 1)[0]))
 
 
 @pytest.fixture

@@ -15,10 +15,10 @@ import pytest
 
 from launcher.cli.commands import COMMANDS
 from launcher.cli.jobspec import submit_spec_from_args
-from launcher.cli.reference import markdown, parsers, undocumented
+from launcher.cli.reference import markdown, options, parsers, undocumented
 from launcher.core.launch_args import build_parser, spec_from_args
 
-from .conftest import REPO, documented_fields
+from .conftest import REPO, documented_fields, table_names
 
 README = REPO / "README.md"
 
@@ -52,13 +52,11 @@ def test_the_cli_reference_is_what_the_parsers_make_and_explains_every_option():
 
 def test_the_torchrun_guides_option_table_lists_every_launch_option_and_no_other():
     guide = (REPO / "docs" / "guides" / "torchrun.md").read_text()
-    table = guide.split("| option | meaning |", 1)[1].split("\n\n", 1)[0].splitlines()
-    cells = [row.split(" | ")[0] for row in table if row.startswith("| `-")]  # a row's first cell
-    listed = {t.split()[0] for cell in cells for t in re.findall(r"`([^`]+)`", cell) if t[0] == "-"}
-    options = [a.option_strings for a in build_parser()._actions if a.option_strings]
-    options = [names for names in options if names != ["-h", "--help"]]
-    assert sorted(listed - {n for names in options for n in names}) == []  # no option that is gone
-    assert [names for names in options if not set(names) & listed] == []  # none left out
+    table = guide.split("| option | meaning |", 1)[1].split("\n\n", 1)[0]
+    listed = {name.split()[0] for name in table_names(table) if name[0] == "-"}
+    given = [a.option_strings for a in options(build_parser()) if a.option_strings]
+    assert sorted(listed - {n for names in given for n in names}) == []  # no option that is gone
+    assert [names for names in given if not set(names) & listed] == []  # none left out
 
 
 def _commands(page: Path) -> list[list[str]]:

@@ -26,12 +26,12 @@ takes them, `-m module`, `--entrypoint pkg.module:function`, `--recipe NAME` or 
 
 def undocumented(parser: argparse.ArgumentParser) -> list[str]:
     """The options of `parser` that have no help text."""
-    return [_names(a) for a in _actions(parser) if not (a.help or "").strip()]
+    return [_names(a) for a in options(parser) if not (a.help or "").strip()]
 
 
-def _actions(parser: argparse.ArgumentParser) -> list[argparse.Action]:
-    """The parser's options: argparse keeps them in `_actions` and has no public way to list them
-    (its own help formatter reads the same list)."""
+def options(parser: argparse.ArgumentParser) -> list[argparse.Action]:
+    """The parser's options and positionals, less -h: argparse keeps them in `_actions` and has no
+    public way to list them (its own help formatter reads the same list)."""
     skipped = argparse._HelpAction | argparse._SubParsersAction  # -h; the commands, each its own
     return [a for a in parser._actions if not isinstance(a, skipped) and a.help != argparse.SUPPRESS]
 
@@ -62,14 +62,14 @@ def section(title: str, parser: argparse.ArgumentParser, summary: str = "") -> s
     lines = [f"## `{title}`", "", what, ""]
     lines += ["```text", usage, "```", ""]
     lines += ["| option | default | what it does |", "|---|---|---|"]
-    for action in _actions(parser):
+    for action in options(parser):
         names = ", ".join(f"`{n}`" for n in _names(action).split(", "))
-        what = action.help or ""
-        if "%(" in what:
-            what = what % {**vars(action), "prog": parser.prog}
+        helped = action.help or ""
+        if "%(" in helped:
+            helped = helped % {**vars(action), "prog": parser.prog}
         if action.option_strings and isinstance(action.choices, list | tuple):
-            what += f" (one of {', '.join(str(c) for c in action.choices)})"
-        lines.append(f"| {names} | {_default(action)} | {_cell(what)} |")
+            helped += f" (one of {', '.join(str(c) for c in action.choices)})"
+        lines.append(f"| {names} | {_default(action)} | {_cell(helped)} |")
     return "\n".join(lines) + "\n"
 
 
