@@ -11,7 +11,7 @@ with one that keeps the semantics the driver depends on and charges what Ray cha
   Ray's `many_actors` release test) and no sooner than a worker process starts (`actor_start_s`);
 - an actor runs its calls one at a time, in arrival order (an async actor: on an event loop, all at
   once), each call `call_ms` after it is sent; the output sink in a process of its own, as on a
-  cluster (in this one its work would hold the driver's GIL);
+  cluster (in this one its work would hold the driver's GIL), its calls too run together there;
 - each simulated node has a raylet port that answers megaray's liveness probes (a real listening
   socket), so a node can be lost by closing it.
 
@@ -439,7 +439,9 @@ OWN_PROCESS = {"SinkForwarder"}
 
 
 class ProcessProxy:
-    """An actor's instance in a process of its own: its calls are sent there and answered in order."""
+    """An actor's instance in a process of its own: each call is sent there at once and answered
+    when it ends (a Ref), so that its calls run together on its event loop, as Ray runs an async
+    actor's: the driver's long-poll drain waits there while the nodes' batches keep coming."""
 
     def __init__(self, cls: type, args: tuple, kwargs: dict):
         import multiprocessing as mp
@@ -451,14 +453,32 @@ class ProcessProxy:
         error = self.conn.recv()
         if error is not None:
             raise error
+        self.ids = itertools.count()
+        self.waiting: dict[int, tuple[str, Ref]] = {}
+        self.lock = threading.Lock()
+        threading.Thread(target=self._answers, daemon=True).start()
+
+    def _answers(self) -> None:
+        while True:
+            try:
+                call, ok, value = self.conn.recv()
+            except (EOFError, OSError):
+                return
+            with self.lock:
+                name, ref = self.waiting.pop(call)
+            if ok:
+                ref.set(value)
+            else:
+                ref.set(error=ray.exceptions.RayTaskError(name, str(value), value))
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
-        def call(*args: Any, **kwargs: Any) -> Any:
-            self.conn.send((name, args, kwargs))
-            ok, value = self.conn.recv()
-            if not ok:
-                raise value
-            return value
+        def call(*args: Any, **kwargs: Any) -> Ref:
+            ref = Ref()
+            with self.lock:
+                call_id = next(self.ids)
+                self.waiting[call_id] = (name, ref)
+                self.conn.send((call_id, name, args, kwargs))
+            return ref
 
         return call
 
@@ -470,17 +490,25 @@ def _serve(conn: Any, cls: type, args: tuple, kwargs: dict) -> None:
         conn.send(e)
         return
     conn.send(None)
-    loop = asyncio.new_event_loop()  # an async actor's methods, run one at a time
-    while True:
-        try:
-            name, a, kw = conn.recv()
-        except EOFError:
-            return
+    loop = asyncio.new_event_loop()  # an async actor's methods, started in the order they came
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    sending = threading.Lock()
+
+    async def run(call_id: int, name: str, a: tuple, kw: dict) -> None:
         try:
             value = getattr(instance, name)(*a, **kw)
-            conn.send((True, loop.run_until_complete(value) if asyncio.iscoroutine(value) else value))
+            answer = (call_id, True, await value if asyncio.iscoroutine(value) else value)
         except BaseException as e:
-            conn.send((False, e))
+            answer = (call_id, False, e)
+        with sending:
+            conn.send(answer)
+
+    while True:
+        try:
+            call_id, name, a, kw = conn.recv()
+        except EOFError:
+            return
+        asyncio.run_coroutine_threadsafe(run(call_id, name, a, kw), loop)
 
 
 class Method:

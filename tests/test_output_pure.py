@@ -399,3 +399,42 @@ def test_the_sink_shows_a_redrawn_bar_at_most_every_second_and_its_end_once(tmp_
         "[r0 n0]  90%|#########",
         "[r0 n0] 100%|##########",
     ]
+
+
+def test_the_drivers_drain_waits_for_news_and_is_answered_when_it_comes(tmp_path):
+    """The sink's long-poll drain (driver/output/sink_host.py): answered when a console rank's line
+    or progress arrives, not for a wait sample or a line the console does not show; a drain right
+    after an answer waits out DRAIN_GAP_S (a busy console in batches); a `wake` answers at once,
+    also one that Ray started before the drain it was meant for (async actors' calls may start out
+    of order); with nothing, it ends after its wait."""
+    import asyncio
+
+    from launcher.driver.output.sink_host import SinkForwarder
+
+    quiet = OutputBatch(((Source(1), 0, b"not shown\n"),), samples=(WaitSample(0, 0.0, 5, 2),), writes=1)
+    hello = OutputBatch(((Source(0), 0, b"hello\n"),), writes=1)
+    again = OutputBatch(((Source(0), 6, b"again\n"),), writes=1)
+
+    async def main() -> None:
+        sink = SinkForwarder(str(tmp_path), node_of_rank=[0, 0], console=frozenset({0}))
+        assert await sink.drain(0.05) == ([], [], 0)  # nothing came: after its wait
+        waiting = asyncio.create_task(sink.drain(60.0))
+        await sink.take(quiet)
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        await sink.take(hello)
+        lines, progress, writes = await asyncio.wait_for(waiting, 5)
+        assert [ln for _, ln in lines] == ["[r0 n0] hello"] and len(progress) == 1 and writes == 2
+        await sink.take(again)  # news at once, but the last answer was just now
+        gapped = asyncio.create_task(sink.drain(60.0))
+        await asyncio.sleep(0)
+        assert not gapped.done()
+        assert [ln for _, ln in (await asyncio.wait_for(gapped, 5))[0]] == ["[r0 n0] again"]
+        waiting = asyncio.create_task(sink.drain(60.0, wakes=0))
+        await asyncio.sleep(0.05)
+        await sink.wake()
+        assert await asyncio.wait_for(waiting, 5) == ([], [], 3)
+        await sink.wake()  # meant for the drain below, which starts after it
+        assert await asyncio.wait_for(sink.drain(60.0, wakes=1), 5) == ([], [], 3)
+
+    asyncio.run(main())

@@ -16,6 +16,7 @@ from launcher.core.poll import AllReturned, RanksFailed, StillRunning
 from launcher.driver.lifecycle.stop import StopSignal
 from launcher.driver.supervision.supervise import (
     PEER_WAIT_S,
+    POLL_S,
     ROOT_CAUSE_WINDOW_S,
     STARTUP_GRACE_S,
     Supervision,
@@ -83,6 +84,35 @@ class FakeRelay:
         if len(seen) != self.writes_seen:
             self.writes_seen, self.last_activity = len(seen), seen[-1]
 
+    def news(self) -> None:
+        return None
+
+
+class NewsRelay(FakeRelay):
+    """A relay whose sink answers its long-poll drain at each of `arrivals` (the gang's fake wait
+    sees the drain as one more ref, ready then)."""
+
+    def __init__(self, clock: Clock, gang: FakeGang, arrivals: list[float]):
+        super().__init__(clock)
+        self.gang, self.arrivals, self.asked = gang, list(arrivals), 0
+        self.shown_at: list[float] = []
+        self._ask()
+
+    def _ask(self) -> None:
+        self.asked += 1
+        at = self.arrivals.pop(0) if self.arrivals else float("inf")
+        self.gang.script[f"drain{self.asked}"] = (at, True, None)
+
+    def news(self) -> str:
+        return f"drain{self.asked}"
+
+    def pump(self, wait_s: float = 0.0) -> None:
+        super().pump(wait_s)
+        at = self.gang.script[self.news()][0]
+        if at <= self.clock.now:
+            self.shown_at.append(self.clock.now)
+            self._ask()
+
 
 def test_every_rank_returning_gives_the_values_by_rank():
     clock = Clock()
@@ -122,6 +152,21 @@ def test_calls_that_end_together_are_collected_in_one_pass_not_one_wait_each():
     gang = FakeGang(clock, {r: (5.0, True, r) for r in range(world)}, world_size=world)
     assert supervise(gang, gang.refs(), StopSignal(), clock=clock) == tuple(range(world))
     assert len(gang.waits) <= 25  # 20 turns of POLL_S until 5 s, then one to collect them all
+
+
+def test_what_the_sink_has_to_show_is_shown_when_it_arrives_not_at_the_next_turn():
+    """The relay's drain is waited for beside the ranks: lines that reach the sink mid-turn are
+    shown then (each answer asks the next drain), and the turn still lasts POLL_S, so the checks
+    (signals, liveness) run as often as before. A rank's end still ends the wait at once."""
+    clock = Clock()
+    gang = FakeGang(clock, {0: (0.4, True, "a"), 1: (9.0, True, "b"), 2: (9.0, True, "c")})
+    relay = NewsRelay(clock, gang, arrivals=[0.07, 0.19, 0.3])
+    watch = Supervision(gang, gang.refs(), relay=relay, clock=clock)
+    assert watch.poll() == StillRunning()
+    assert relay.shown_at == [0.07, 0.19] and clock.now == POLL_S
+    assert watch.poll() == StillRunning()  # rank 0 returned: the turn ends then
+    assert relay.shown_at == [0.07, 0.19, 0.3] and clock.now == 0.4
+    assert 0 not in watch.pending and len(watch.pending) == 2
 
 
 def test_a_dead_rank_is_the_root_cause_over_peers_that_failed_just_after_it():

@@ -24,6 +24,9 @@ from ..supervision.stragglers import StragglerWatch
 from .progress_view import ProgressView
 
 log = logging.getLogger("megaray")
+# A drain's longest wait for news (driver/output/sink_host.py): what the hang timer knows of the ranks'
+# activity is at most this old
+LONG_POLL_S = 1.0
 
 
 def start_sink(name: str, detached: bool = False) -> Any:
@@ -116,6 +119,7 @@ class OutputRelay:
         self.forwarders: dict[str, Any] = {}  # by node id
         self.lost: set[str] = set()  # nodes found lost: their forwarders are not waited for
         self.drain_ref: Any = None
+        self.wakes = 0  # `wake` calls made on the sink: a drain asked after them waits all the same
         self.writes_seen = 0  # the sink's count of rank writes and reports, when last drained
         self.last_activity = time.monotonic()
         self.progress_seen = False
@@ -149,12 +153,16 @@ class OutputRelay:
 
     def pump(self, wait_s: float = 0.0, again: bool = True) -> None:
         """Show what the sink collected: the drain asked at the last call once it is back (waited for
-        up to `wait_s`), then ask the next one (`again`), which the next call shows: a line waits for
-        one turn of the supervision, not two."""
+        up to `wait_s`; a waiting drain is woken for it), then ask the next one (`again`), a long
+        poll that the supervision waits for beside the ranks' ends (`news`): a line is shown when
+        it reaches the sink."""
         if self.sink is None:
             return
         if self.drain_ref is None:
-            self.drain_ref = self.sink.drain.remote()
+            self.drain_ref = self._ask(0.0 if wait_s else LONG_POLL_S)
+        elif wait_s:
+            self.wakes += 1
+            self.sink.wake.remote()
         ready, _ = ray.wait([self.drain_ref], timeout=wait_s)
         if not ready:
             return
@@ -167,7 +175,14 @@ class OutputRelay:
             return
         self._show(lines, records, writes)
         if again:
-            self.drain_ref = self.sink.drain.remote()
+            self.drain_ref = self._ask(LONG_POLL_S)
+
+    def _ask(self, wait_s: float) -> Any:
+        return self.sink.drain.remote(wait_s, self.wakes)
+
+    def news(self) -> Any:
+        """The drain in flight, ready once the sink has something to show (None: none asked)."""
+        return self.drain_ref
 
     def catch_up(self, wait_s: float = 5.0) -> None:
         """Show everything the ranks sent up to now: a drain asked for earlier, what the forwarders

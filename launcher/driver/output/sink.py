@@ -61,6 +61,7 @@ class OutputSink:
         self.last: dict[int, deque[str]] = {}  # each rank's last lines, for a failure report
         self.console: list[tuple[int, str]] = []  # (stream, line)
         self.progress: list[dict[str, Any]] = []
+        self.reported = False  # progress in `progress` (not only wait samples): see `news`
         self.writes = 0  # any rank's activity, for the driver's hang detection
 
     def configure(self, run_dir: str, node_of_rank: list[int], console: frozenset[int]) -> None:
@@ -121,11 +122,13 @@ class OutputSink:
             record = parse_megatron_line(ln)
             if record is not None:
                 self.progress.append({**record, "rank": rank})
+                self.reported = True
             elif (said := parse_checkpoint_line(ln)) is not None:
                 phase, iteration = said
                 self.progress.append(
                     {"rank": rank, "checkpoint": iteration, "phase": phase.value, "time": time.time()}
                 )
+                self.reported = True
         if rank in self.console_ranks:
             self.console.extend((source.stream, tag + ln) for ln in lines if not ray_crash_line(ln))
 
@@ -156,6 +159,7 @@ class OutputSink:
         """Progress sent by `launcher.progress.report()` on a rank (in a node's batch)."""
         self.writes += 1
         self.progress.append({**record, "rank": rank})
+        self.reported = True
 
     def sample(self, sample: Sample) -> None:
         """A rank's straggler sample (core/straggler.py), stamped with this machine's monotonic clock
@@ -163,11 +167,17 @@ class OutputSink:
         and keeps sending looks at it."""
         self.progress.append({"rank": sample.rank, "sample": replace(sample, at=time.monotonic())})
 
+    def news(self) -> bool:
+        """Whether the driver has something to show: console lines or progress. Wait samples alone
+        are not news: the straggler watch reads them in its own time (driver/output/sink_host.py
+        answers a waiting drain on news)."""
+        return bool(self.console) or self.reported
+
     def drain(self) -> tuple[list[tuple[int, str]], list[dict[str, Any]], int]:
         """Console lines (with their streams) and progress since the last call, and the count of
         writes so far."""
         out = (self.console, self.progress, self.writes)
-        self.console, self.progress = [], []
+        self.console, self.progress, self.reported = [], [], False
         return out
 
     def finish(self) -> tuple[list[tuple[int, str]], list[dict[str, Any]], int]:

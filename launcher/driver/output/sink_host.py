@@ -12,6 +12,8 @@ group's, as on every node.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import threading
 import time
 from typing import Any
@@ -21,6 +23,10 @@ from ...core.outbatch import OutputBatch, Source, batch_bytes, send_every
 from ...rank.forwarder import NodeForwarder
 from ...rank.metrics import RankMetrics
 from .sink import OutputSink
+
+# A waiting drain answers news no sooner than this after its last answer: a busy console is shown a
+# batch at a time, not a call per line (at most ~10 a second beside the driver's turns)
+DRAIN_GAP_S = 0.1
 
 
 class SinkForwarder(NodeForwarder):
@@ -40,6 +46,9 @@ class SinkForwarder(NodeForwarder):
         super().__init__(None, console, 1)
         self.local = OutputSink(run_dir, node_of_rank, console)
         self.configured = run_dir is not None
+        self._changed = asyncio.Event()  # news in the sink, or a wake: a waiting drain looks again
+        self._wakes = 0  # the driver's `wake` calls so far
+        self._drained_at = 0.0
         if pool_group is not None:
             threading.Thread(
                 target=self._end_with, args=(pool_group,), name="megaray-sink-pool", daemon=True
@@ -58,7 +67,13 @@ class SinkForwarder(NodeForwarder):
                 return
 
     async def _to_sink(self, batch: OutputBatch) -> None:
+        self.take_now(batch)
+
+    def take_now(self, batch: OutputBatch) -> None:
+        """A batch into the sink, and a waiting drain told when it brought news."""
         self.local.take(batch)
+        if self.local.news():
+            self._changed.set()
 
     async def _sink_received(self, sources: list[Source]) -> list[int]:
         return self.local.received_of(sources)
@@ -76,7 +91,7 @@ class SinkForwarder(NodeForwarder):
 
     # the sink's calls, from the other nodes' forwarders, the spools' shippers and the driver
     async def take(self, batch: OutputBatch) -> None:
-        self.local.take(batch)
+        self.take_now(batch)
 
     async def received_of(self, sources: list[Source]) -> list[int]:
         return self.local.received_of(sources)
@@ -84,8 +99,32 @@ class SinkForwarder(NodeForwarder):
     async def tail(self, rank: int) -> list[str]:
         return self.local.tail(rank)
 
-    async def drain(self) -> tuple[list[tuple[int, str]], list[dict[str, Any]], int]:
+    async def drain(
+        self, wait_s: float = 0.0, wakes: int = 0
+    ) -> tuple[list[tuple[int, str]], list[dict[str, Any]], int]:
+        """What the sink holds for the driver (`OutputSink.drain`). With `wait_s`, a long poll: answered
+        once there is news (console lines, progress; no sooner than DRAIN_GAP_S after the last
+        answer), after `wait_s`, or at once when the driver has called `wake` more than `wakes`
+        times (it wants what there is now). The driver waits for it beside the ranks' ends
+        (driver/supervision/supervise.py): a line is shown when it reaches the sink, not at the
+        driver's next turn. A count, not a flag: Ray may start an async actor's calls out of order."""
+        deadline = time.monotonic() + wait_s
+        while self._wakes <= wakes and (now := time.monotonic()) < deadline:
+            wait = deadline - now
+            if self.local.news():
+                if (gap := self._drained_at + DRAIN_GAP_S - now) <= 0:
+                    break
+                wait = min(wait, gap)
+            self._changed.clear()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._changed.wait(), wait)
+        self._drained_at = time.monotonic()
         return self.local.drain()
+
+    async def wake(self) -> None:
+        """A waiting drain answers now (see `drain`)."""
+        self._wakes += 1
+        self._changed.set()
 
     async def finish(self) -> tuple[list[tuple[int, str]], list[dict[str, Any]], int]:
         """What this node's ranks sent last is in the sink (`flush` first), then the sink's finish."""

@@ -9,7 +9,8 @@ and a fake clock:
 - the ranks (driver/supervision/rank_ends.py `RankEnds`): `world_size`, `wait(refs, num_returns, timeout_s) ->
   (done, pending)`, `outcome(ref, rank) -> (ok, value or RankFailure)`, `inspect_hang(idle_s) ->
   [RankFailure]`;
-- the relay (rank output), optional: `pump(wait_s)`, `writes_seen`, `last_activity`.
+- the relay (rank output), optional: `pump(wait_s)`, `news()` (a ref ready once the sink has
+  something to show, waited for beside the ranks' ends), `writes_seen`, `last_activity`.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ class Relay(Protocol):
     last_activity: float
 
     def pump(self, wait_s: float = 0.0) -> None: ...
+
+    def news(self) -> Any: ...
 
 
 def hang_limit(hang_timeout_s: float, any_output: bool) -> float:
@@ -95,7 +98,7 @@ class Supervision:
                 if any("faulthandler" in f.summary for f in hung):
                     relay.pump(wait_s=2.0)  # their stacks reach the rank logs through the sink
                 return RanksFailed(RankFailedError(hung, gang.world_size))
-        done, self.pending = gang.wait(self.pending, 1, POLL_S)
+        done = self._wait(POLL_S)
         if not done:
             return StillRunning()
         if self.pending:  # every call ready by now, in one pass: at the end of a run they all are at once
@@ -111,6 +114,22 @@ class Supervision:
         if relay is not None:
             relay.pump(wait_s=2.0)  # the failing rank's last lines before the report
         return RanksFailed(RankFailedError([*told, *self.failures], gang.world_size))
+
+    def _wait(self, timeout_s: float) -> list:
+        """Up to `timeout_s` for a rank to end; what the sink has to show meanwhile is shown as it
+        comes (the relay's long-poll drain, waited for with the ranks), so a line waits for no turn."""
+        deadline = self.clock() + timeout_s
+        while True:
+            news = self.relay.news() if self.relay is not None else None
+            refs = self.pending if news is None else [*self.pending, news]
+            done, _ = self.gang.wait(refs, 1, max(0.0, deadline - self.clock()))
+            if news is not None and news in done:
+                done.remove(news)
+                self.relay.pump()
+            if done or self.clock() >= deadline:
+                ended = set(done)
+                self.pending = [ref for ref in self.pending if ref not in ended]
+                return done
 
     def _collect(self, done: list) -> None:
         for ref in done:
