@@ -9,6 +9,7 @@ import json
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -163,6 +164,15 @@ def test_a_real_prometheus_holds_every_ranks_metrics_and_the_job_state_and_every
         assert sorted(ages) == ["0", "1", "2", "3"] and ages["2"] > 12 > 3 * EXPORT_S > max(
             ages["0"], ages["1"], ages["3"]
         ), ages
+        # the dashboard drawn without Grafana, as a user would (examples/grafana/snapshot.py): every
+        # panel had data but the one a CPU run cannot have
+        picture = tmp_path / "dashboard.png"
+        shot = [sys.executable, str(REPO / "examples" / "grafana" / "snapshot.py"), "--prometheus", prom.url,
+                "--job", JOB, "--minutes", "5", "--out", str(picture)]  # fmt: skip
+        drawn = subprocess.run(shot, capture_output=True, text=True, timeout=120)
+        assert drawn.returncode == 0, drawn.stderr
+        assert drawn.stdout.strip() == f"wrote {picture}; no data for: GPU memory by node (needs CUDA)"
+        assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         stop.write_text("")
         assert driver.wait(120) == 0, log.read_text()[-3000:]
         assert cluster.alive(JOB) == ([], [])

@@ -1,0 +1,127 @@
+"""The docs' picture of the Grafana dashboard (docs/img/dashboard.png), made from a real run as a user
+would make it: `megaray up` (2 simulated nodes x 2 CPU ranks), a Prometheus (Debian's package)
+reading the targets Ray lists, the Megatron dry run with `--max-restarts 1`, one rank slowed 4x from
+outside for a while (a straggler) and later killed (a relaunch, resumed from its checkpoint), then
+examples/grafana/snapshot.py over the run. No Grafana is used: its licence keeps it off these
+machines; the snapshot draws the dashboard's own panels and queries.
+
+    python bench/dashboard_picture.py --out docs/img/dashboard.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import PY, REPO, clean_env, throttle
+
+JOB = "llm-dry-run"
+
+
+def wait_for(what: str, ready, timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what}: not within {timeout_s:.0f} s")
+        time.sleep(0.5)
+
+
+def prometheus(temp_dir: Path, work: Path) -> tuple[subprocess.Popen, str]:
+    """A Prometheus scraping every 2 s the targets in Ray's service-discovery file."""
+    sd = temp_dir / "prom_metrics_service_discovery.json"
+    if not sd.exists():
+        sd = temp_dir / "session_latest" / "prom_metrics_service_discovery.json"
+    config = work / "prometheus.yml"
+    config.write_text(
+        "global:\n  scrape_interval: 2s\nscrape_configs:\n  - job_name: ray\n    file_sd_configs:\n"
+        f"      - files: ['{sd}']\n        refresh_interval: 2s\n"
+    )
+    url = "http://127.0.0.1:19090"
+    proc = subprocess.Popen(
+        ["prometheus", f"--config.file={config}", "--web.listen-address=127.0.0.1:19090",
+         f"--storage.tsdb.path={work / 'tsdb'}"],
+        stdout=(work / "prometheus.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+
+    def ready() -> bool:
+        try:
+            urllib.request.urlopen(url + "/-/ready", timeout=2)
+            return True
+        except OSError:
+            return False
+
+    wait_for("prometheus", ready, 60)
+    return proc, url
+
+
+def rank_pid(runs: Path, rank: int) -> int:
+    topology = json.loads((runs / JOB / "topology.json").read_text())
+    return next(r["pid"] for r in topology["ranks"] if r["rank"] == rank)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=REPO / "docs" / "img" / "dashboard.png")
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--slow-at", type=float, default=60, help="seconds into the run: rank 3 slowed 4x")
+    ap.add_argument("--slow-s", type=float, default=40)
+    ap.add_argument("--kill-at", type=float, default=150, help="seconds into the run: rank 1 killed")
+    args = ap.parse_args()
+    if shutil.which("prometheus") is None:
+        sys.exit("needs Debian's prometheus package: apt-get install prometheus")
+    work = Path(tempfile.mkdtemp(prefix="megaray-dashboard-"))
+    env = {**clean_env(), "MEGARAY_STATE_DIR": str(work / "state"), "RAY_metrics_report_interval_ms": "2000"}
+    megaray = [PY, str(REPO / "main.py")]
+    subprocess.run([*megaray, "up", "--nodes", "2", "--gpus-per-node", "2"], env=env, check=True, cwd=work)
+    prom = driver = None
+    try:
+        temp_dir = Path(json.loads((work / "state" / "up.json").read_text())["temp_dir"])
+        prom, url = prometheus(temp_dir, work)
+        runs = work / "runs"
+        start = time.time()
+        driver = subprocess.Popen(
+            [*megaray, "--device", "cpu", "--nodes", "2", "--gpus-per-node", "2", "--job-name", JOB,
+             "--runs-dir", str(runs), "--max-restarts", "1", "--hang-timeout", "0",
+             "--dry-run", f"steps={args.steps}", f"save={work / 'ckpt'}", "save_every=200"],
+            env=env, cwd=work, stdout=(work / "driver.log").open("w"), stderr=subprocess.STDOUT,
+        )  # fmt: skip
+        wait_for("the topology", lambda: (runs / JOB / "topology.json").exists())
+        time.sleep(max(0.0, start + args.slow_at - time.time()))
+        done = threading.Event()
+        threading.Thread(target=throttle, args=(rank_pid(runs, 3), done), daemon=True).start()
+        time.sleep(args.slow_s)
+        done.set()
+        time.sleep(max(0.0, start + args.kill_at - time.time()))
+        os.kill(rank_pid(runs, 1), signal.SIGKILL)
+        rc = driver.wait(1800)
+        print(f"the run ended with {rc} after {time.time() - start:.0f} s", flush=True)
+        time.sleep(6)  # the last export and scrape
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        shot = [PY, str(REPO / "examples" / "grafana" / "snapshot.py"), "--prometheus", url, "--job", JOB,
+                "--minutes", f"{(time.time() - start) / 60 + 0.5:.1f}", "--out", str(args.out)]  # fmt: skip
+        subprocess.run(shot, check=True)
+        print((work / "driver.log").read_text()[-1500:])
+    finally:
+        if driver is not None and driver.poll() is None:
+            driver.send_signal(signal.SIGINT)
+            driver.wait(60)
+        if prom is not None:
+            prom.terminate()
+            prom.wait(30)
+        subprocess.run([*megaray, "down"], env=env, cwd=work)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
