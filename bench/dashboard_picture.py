@@ -1,7 +1,8 @@
 """The docs' picture of the Grafana dashboard (docs/img/dashboard.png), made from a real run as a user
-would make it: `megaray up` (2 simulated nodes x 2 CPU ranks), a Prometheus (Debian's package)
-reading the targets Ray lists, the Megatron dry run with `--max-restarts 1`, one rank slowed 4x from
-outside for a while (a straggler) and later killed (a relaunch, resumed from its checkpoint), then
+would make it: a two-node `ray start` cluster with its dashboard (tests/raycluster.py: token
+authentication, as Ray 2.60 has it; 2 CPUs a node), a Prometheus (Debian's package) reading the
+targets Ray's dashboard lists, the Megatron dry run on 2 x 2 CPU ranks with `--max-restarts 1`,
+one rank slowed 4x from outside for a while (a straggler) and later killed (a relaunch, resumed from its checkpoint), then
 examples/grafana/snapshot.py over the run. No Grafana is used: its licence keeps it off these
 machines; the snapshot draws the dashboard's own panels and queries.
 
@@ -24,7 +25,7 @@ import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PY, REPO, clean_env, throttle
+from common import PY, REPO, throttle
 
 JOB = "llm-dry-run"
 
@@ -39,9 +40,7 @@ def wait_for(what: str, ready, timeout_s: float = 120) -> None:
 
 def prometheus(temp_dir: Path, work: Path) -> tuple[subprocess.Popen, str]:
     """A Prometheus scraping every 2 s the targets in Ray's service-discovery file."""
-    sd = temp_dir / "prom_metrics_service_discovery.json"
-    if not sd.exists():
-        sd = temp_dir / "session_latest" / "prom_metrics_service_discovery.json"
+    sd = temp_dir / "session_latest" / "prom_metrics_service_discovery.json"
     config = work / "prometheus.yml"
     config.write_text(
         "global:\n  scrape_interval: 2s\nscrape_configs:\n  - job_name: ray\n    file_sd_configs:\n"
@@ -80,20 +79,24 @@ def main() -> int:
     args = ap.parse_args()
     if shutil.which("prometheus") is None:
         sys.exit("needs Debian's prometheus package: apt-get install prometheus")
+    sys.path.insert(0, str(REPO))
+    from tests.raycluster import start_cluster
+
     work = Path(tempfile.mkdtemp(prefix="megaray-dashboard-"))
-    env = {**clean_env(), "MEGARAY_STATE_DIR": str(work / "state"), "RAY_metrics_report_interval_ms": "2000"}
-    megaray = [PY, str(REPO / "main.py")]
-    subprocess.run([*megaray, "up", "--nodes", "2", "--gpus-per-node", "2"], env=env, check=True, cwd=work)
+    cluster = start_cluster(num_cpus=2, RAY_metrics_report_interval_ms="2000")
     prom = driver = None
     try:
-        temp_dir = Path(json.loads((work / "state" / "up.json").read_text())["temp_dir"])
-        prom, url = prometheus(temp_dir, work)
+        cluster.add_worker(num_cpus=2)
+        env = {k: v for k, v in cluster.env.items() if k != "RAY_AUTH_MODE"}  # as a user's shell has it
+        env["PYTHONPATH"] = str(REPO)
+        prom, url = prometheus(cluster.tmp, work)
         runs = work / "runs"
         start = time.time()
         driver = subprocess.Popen(
-            [*megaray, "--device", "cpu", "--nodes", "2", "--gpus-per-node", "2", "--job-name", JOB,
-             "--runs-dir", str(runs), "--max-restarts", "1", "--hang-timeout", "0",
-             "--dry-run", f"steps={args.steps}", f"save={work / 'ckpt'}", "save_every=200"],
+            [PY, str(REPO / "main.py"), "--address", cluster.gcs, "--device", "cpu", "--nodes", "2",
+             "--gpus-per-node", "2", "--job-name", JOB, "--runs-dir", str(runs), "--max-restarts", "1",
+             "--hang-timeout", "0", "--dry-run", f"steps={args.steps}", f"save={work / 'ckpt'}",
+             "save_every=200"],
             env=env, cwd=work, stdout=(work / "driver.log").open("w"), stderr=subprocess.STDOUT,
         )  # fmt: skip
         wait_for("the topology", lambda: (runs / JOB / "topology.json").exists())
@@ -119,7 +122,7 @@ def main() -> int:
         if prom is not None:
             prom.terminate()
             prom.wait(30)
-        subprocess.run([*megaray, "down"], env=env, cwd=work)
+        cluster.stop()
     return 0
 
 

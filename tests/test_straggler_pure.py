@@ -108,16 +108,37 @@ def test_samples_are_kept_for_the_window_only_even_when_nothing_can_be_decided()
 # -- the Megatron target's forward step times (megatron/steptimes.py) --------------------------------
 
 
-def run_steps(detector: StepDetector, seconds: float, step_s: dict[int, tuple[int, float]], start=0.0):
-    """Every EVERY seconds each rank sends how many forward steps of `step_s[rank] = (stage, s)` it ran."""
+def run_steps(
+    detector: StepDetector, seconds: float, step_s: dict[int, tuple[int, float]], start=0.0, places=None
+):
+    """Every EVERY seconds each rank sends how many forward steps of `step_s[rank] = (stage, s)` it ran
+    (at `places[rank]` in its stage's shard: 0 without tensor or context parallelism)."""
     changes, t = [], start
     while t < start + seconds:
         t += EVERY
         for rank, (stage, s) in step_s.items():
             steps = max(1, round(EVERY / s))
-            detector.add(StepSample(rank, t, stage, steps, steps * s))
+            detector.add(StepSample(rank, t, stage, steps, steps * s, place=(places or {}).get(rank, 0)))
         changes.append((t, detector.look(t)))
     return changes
+
+
+def test_a_ranks_peers_are_its_place_in_the_other_replicas_not_its_tensor_parallel_partners():
+    """Ranks of one stage of one replica wait for one another inside every forward step (tensor- and
+    context-parallel collectives): the one that waits longest has the longest steps, not the slow
+    one. Under TP 2 x PP 2 x DP 1, rank 3 slowed from outside got rank 0 named
+    (bench/dashboard_picture.py's run); a rank is compared with its stage and place in the other
+    data-parallel replicas only."""
+    # TP 2, DP 1: rank 1 slow, rank 0 waiting for it inside its steps: no peers, nobody named
+    d = StepDetector(2)
+    assert not [s for _, c in run_steps(d, 15, {0: (0, 0.30), 1: (0, 0.12)}, places={1: 1}) for s in c.named]
+    # TP 2, DP 2: replica 1 (ranks 2, 3) slow, rank 2 the longer waiting for rank 3: both named
+    # against their places in replica 0, whose two ranks never against each other
+    times = {0: (0, 0.10), 1: (0, 0.11), 2: (0, 0.30), 3: (0, 0.25)}
+    d = StepDetector(4)
+    named = {s.rank for _, c in run_steps(d, 15, times, places={1: 1, 3: 1}) for s in c.named}
+    assert named == {2, 3}
+    assert d.look(15.0, scores=True).scores == pytest.approx({0: 1 / 3, 1: 0.44, 2: 3.0, 3: 2.27}, rel=0.05)
 
 
 def test_a_rank_whose_forward_steps_take_longer_than_its_stage_peers_is_named_with_both_times():

@@ -15,6 +15,7 @@ import json
 import re
 import sys
 import time
+import urllib.error
 import urllib.parse
 import urllib.request
 from dataclasses import dataclass
@@ -33,9 +34,9 @@ class Series:
 
 
 def promql(expr: str, job: str) -> str:
-    """The query Grafana sends for `job`: `$megaray_job` filled in (its matchers are regular
-    expressions, as for any Grafana variable)."""
-    return expr.replace("$megaray_job", re.escape(job))
+    """The query Grafana sends for `job`: `$megaray_job` filled in, escaped as a regular expression
+    (its matchers are `=~`) inside a PromQL string (whose backslashes are doubled)."""
+    return expr.replace("$megaray_job", re.escape(job).replace("\\", "\\\\"))
 
 
 def legend(template: str, labels: dict[str, str]) -> str:
@@ -45,8 +46,11 @@ def legend(template: str, labels: dict[str, str]) -> str:
 
 def query_range(url: str, expr: str, start: float, end: float, step: float) -> list[dict]:
     args = urllib.parse.urlencode({"query": expr, "start": start, "end": end, "step": step})
-    with urllib.request.urlopen(f"{url}/api/v1/query_range?{args}", timeout=30) as answer:
-        body = json.loads(answer.read())
+    try:
+        with urllib.request.urlopen(f"{url}/api/v1/query_range?{args}", timeout=30) as answer:
+            body = json.loads(answer.read())
+    except urllib.error.HTTPError as e:  # Prometheus says why in its body
+        raise RuntimeError(f"{expr}: {e.read().decode(errors='replace')}") from None
     if body.get("status") != "success":
         raise RuntimeError(f"{expr}: {body}")
     return body["data"]["result"]

@@ -40,7 +40,7 @@ PEERS_WAITING_MIN = 0.3  # peers waiting less than this are not held up enough t
 AS_LITTLE_AS = 1 / 3  # a suspect waits at most this fraction of what its peers' median waits
 
 MIN_STEPS = 5  # forward steps per rank in the window before its time is compared
-# a suspect's forward step takes at least this many times its stage peers' median: nvidia-resiliency-
+# a suspect's forward step takes at least this many times its peers' median: nvidia-resiliency-
 # ext's straggler detection flags a GPU below 0.7 of its peers' performance by default (1 / 0.7)
 SLOWER_BY = 1.4
 
@@ -60,7 +60,11 @@ class WaitSample:
 @dataclass(frozen=True)
 class StepSample:
     """From one rank of the Megatron target (megatron/steptimes.py): `steps` forward steps took
-    `seconds` in all; `stage` is its pipeline stage (its peers are the ranks of the same one)."""
+    `seconds` in all; `stage` is its pipeline stage and `place` its place inside the stage's model
+    shard (its tensor- and context-parallel ranks, as one number). Its peers are the ranks of the
+    same stage and place in the other data-parallel replicas: those of its own stage in its own
+    replica wait for one another inside every forward step (tensor- and context-parallel
+    collectives), so that the one that waits longest, not the slow one, would look slow."""
 
     rank: int
     at: float
@@ -68,6 +72,7 @@ class StepSample:
     steps: int
     seconds: float
     memory: tuple[int, int] | None = None  # GPU bytes allocated and reserved (core/metrics.py)
+    place: int = 0
 
 
 Sample = WaitSample | StepSample
@@ -108,7 +113,7 @@ class WaitStraggler(Straggler):
 class StepStraggler(Straggler):
     stage: int
     step_s: float  # its mean forward step
-    peers_step_s: float  # the median of its stage peers' means
+    peers_step_s: float  # the median of its peers' means (its stage and place in other replicas)
 
     def describe(self) -> str:
         return (
@@ -256,36 +261,41 @@ def _slowdown(mine: float, peers: float) -> float:
     return (1.0 - mine) / max(1.0 - peers, 0.02)
 
 
+ByPeers = dict[tuple[int, int], dict[int, tuple[float, float]]]  # (stage, place) -> rank -> (mine, peers')
+
+
 class StepDetector(StragglerDetector):
-    """From the ranks' forward step times: a rank whose steps take SLOWER_BY its stage peers' median
-    or more. A stage with one rank has no peers and names nobody."""
+    """From the ranks' forward step times: a rank whose steps take SLOWER_BY its peers' median or
+    more, its peers being the ranks of its stage and place in the other data-parallel replicas
+    (`StepSample`). Without data parallelism a rank has no peers and names nobody."""
 
     sample_type = StepSample
 
-    def means(self, now: float) -> dict[int, dict[int, float]]:
-        """stage -> rank -> mean forward step over the window, for the ranks with MIN_STEPS in it."""
-        stages: dict[int, dict[int, float]] = {}
+    def means(self, now: float) -> dict[tuple[int, int], dict[int, float]]:
+        """(stage, place) -> rank -> mean forward step over the window, for the ranks with MIN_STEPS
+        in it."""
+        groups: dict[tuple[int, int], dict[int, float]] = {}
         for rank, q in self.window(now).items():
             steps = sum(s.steps for s in q)
             if steps >= MIN_STEPS:
-                stages.setdefault(q[-1].stage, {})[rank] = sum(s.seconds for s in q) / steps
-        return stages
+                groups.setdefault((q[-1].stage, q[-1].place), {})[rank] = sum(s.seconds for s in q) / steps
+        return groups
 
-    def compared(self, now: float) -> dict[int, dict[int, tuple[float, float]]]:
-        """stage -> rank -> its mean forward step and its stage peers' median."""
-        return {stage: _against_peers(means) for stage, means in self.means(now).items()}
+    def compared(self, now: float) -> ByPeers:
+        """(stage, place) -> rank -> its mean forward step and its peers' median."""
+        return {group: _against_peers(means) for group, means in self.means(now).items()}
 
-    def scores(self, compared: dict[int, dict[int, tuple[float, float]]]) -> dict[int, float]:
+    def scores(self, compared: ByPeers) -> dict[int, float]:
         return {
             rank: mine / peers
-            for stage in compared.values()
-            for rank, (mine, peers) in stage.items()
+            for group in compared.values()
+            for rank, (mine, peers) in group.items()
             if peers
         }
 
-    def suspects(self, compared: dict[int, dict[int, tuple[float, float]]]) -> dict[int, Straggler]:
+    def suspects(self, compared: ByPeers) -> dict[int, Straggler]:
         found: dict[int, Straggler] = {}
-        for stage, against in compared.items():
+        for (stage, _), against in compared.items():
             here = {
                 rank: StepStraggler(rank, mine / peers, 0.0, stage, mine, peers)
                 for rank, (mine, peers) in against.items()

@@ -57,6 +57,7 @@ class StepTimer:
         self.pending: deque[tuple[Any, Any]] = deque()  # (start, end) CUDA events not yet passed
         self.cuda: bool | None = None  # decided at the first step, once the target has set up CUDA
         self.stage: int | None = None  # its pipeline stage, read at the first send
+        self.place = 0  # its tensor- and context-parallel ranks, as one number (core/straggler.py)
 
     def call(self, fn: Callable, args: tuple, kwargs: dict) -> Any:
         import torch
@@ -95,12 +96,22 @@ class StepTimer:
 
     def send(self) -> None:
         if self.stage is None:
-            from megatron.core import parallel_state
-
-            initialized = parallel_state.model_parallel_is_initialized()
-            self.stage = parallel_state.get_pipeline_model_parallel_rank() if initialized else 0
+            self.stage, self.place = _coordinates()
         with contextlib.suppress(Exception):  # the sink is gone with the driver: training goes on
             memory = gpu_memory() if self.cuda else None
-            self.sink.sample.remote(StepSample(self.rank, 0.0, self.stage, self.steps, self.seconds, memory))
+            sample = StepSample(self.rank, 0.0, self.stage, self.steps, self.seconds, memory, self.place)
+            self.sink.sample.remote(sample)
         self.steps, self.seconds = 0, 0.0
         self.next_send = self.clock() + self.every
+
+
+def _coordinates() -> tuple[int, int]:
+    """The rank's pipeline stage and its place in the stage's model shard (tensor-parallel rank x
+    context-parallel size + context-parallel rank): its straggler peers' key (core/straggler.py
+    `StepSample`). (0, 0) before Megatron's parallel state exists."""
+    from megatron.core import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized():
+        return 0, 0
+    place = ps.get_tensor_model_parallel_rank() * ps.get_context_parallel_world_size()
+    return ps.get_pipeline_model_parallel_rank(), place + ps.get_context_parallel_rank()
