@@ -1,10 +1,11 @@
 """The docs' picture of the Grafana dashboard (docs/img/dashboard.png), made from a real run as a user
 would make it: a two-node `ray start` cluster with its dashboard (tests/raycluster.py: token
 authentication, as Ray 2.60 has it; 2 CPUs a node), a Prometheus (Debian's package) reading the
-targets Ray's dashboard lists, the Megatron dry run on 2 x 2 CPU ranks with `--max-restarts 1`,
-one rank slowed 4x from outside for a while (a straggler) and later killed (a relaunch, resumed from its checkpoint), then
-examples/grafana/snapshot.py over the run. No Grafana is used: its licence keeps it off these
-machines; the snapshot draws the dashboard's own panels and queries.
+targets Ray's dashboard lists, the Megatron dry run on 2 x 2 CPU ranks (DP 4) with
+`--max-restarts 1`, one rank slowed 4x from outside for a while (a straggler) and later killed (a
+relaunch, resumed from its checkpoint), then examples/grafana/snapshot.py over the run. No Grafana
+is used: its licence keeps it off these machines; the snapshot draws the dashboard's own panels and
+queries.
 
     python bench/dashboard_picture.py --out docs/img/dashboard.png
 """
@@ -96,7 +97,7 @@ def main() -> int:
             [PY, str(REPO / "main.py"), "--address", cluster.gcs, "--device", "cpu", "--nodes", "2",
              "--gpus-per-node", "2", "--job-name", JOB, "--runs-dir", str(runs), "--max-restarts", "1",
              "--hang-timeout", "0", "--dry-run", f"steps={args.steps}", f"save={work / 'ckpt'}",
-             "save_every=200"],
+             "save_every=200", "tp=1"],
             env=env, cwd=work, stdout=(work / "driver.log").open("w"), stderr=subprocess.STDOUT,
         )  # fmt: skip
         wait_for("the topology", lambda: (runs / JOB / "topology.json").exists())

@@ -24,6 +24,7 @@ from pathlib import Path
 DASHBOARD = Path(__file__).resolve().parent / "megaray.json"
 GRID_W = 24  # Grafana's grid columns
 UNIT_W_IN, UNIT_H_IN = 0.75, 0.36  # inches of one grid cell in the picture
+TOP_ROWS = 2  # grid rows above the dashboard's, for the picture's title
 
 
 @dataclass(frozen=True)
@@ -133,18 +134,26 @@ def snapshot(url: str, job: str, start: float, end: float, out: Path, board: dic
 
     board = board or json.loads(DASHBOARD.read_text())
     panels = board["panels"]
-    height = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in panels)
-    fig = plt.figure(figsize=(GRID_W * UNIT_W_IN, height * UNIT_H_IN))
+    rows = max(p["gridPos"]["y"] + p["gridPos"]["h"] for p in panels) + TOP_ROWS
+    width, height = GRID_W * UNIT_W_IN, rows * UNIT_H_IN
+    fig = plt.figure(figsize=(width, height))
+
+    def box(g: dict, left: float, bottom: float, top: float) -> tuple[float, float, float, float]:
+        """A grid place as figure fractions, less room (inches) for tick labels and the title."""
+        x0, y0 = g["x"] * UNIT_W_IN + left, height - (g["y"] + g["h"] + TOP_ROWS) * UNIT_H_IN + bottom
+        w, h = g["w"] * UNIT_W_IN - left - 0.15, g["h"] * UNIT_H_IN - bottom - top
+        return x0 / width, y0 / height, w / width, h / height
+
     step = max(1.0, (end - start) / 300)
     empty = []
     for panel in panels:
         g = panel["gridPos"]
-        box = (g["x"] / GRID_W + 0.004, 1 - (g["y"] + g["h"]) / height + 0.012, g["w"] / GRID_W - 0.008,
-               g["h"] / height - 0.024)  # fmt: skip
         if panel["type"] == "row":
-            fig.text(box[0], box[1] + box[3] / 2, panel["title"], fontsize=13, weight="bold", va="center")
+            x0, y0, _, h = box(g, 0.05, 0.0, 0.0)
+            fig.text(x0, y0 + h / 2, panel["title"], fontsize=13, weight="bold", va="center")
             continue
-        ax = fig.add_axes(box)
+        stat = panel["type"] == "stat"
+        ax = fig.add_axes(box(g, 0.1 if stat else 0.75, 0.1 if stat else 0.5, 0.3))
         ax.set_title(panel["title"], fontsize=9, loc="left")
         series = [s for s in panel_series(url, panel, job, start, end, step) if s.values]
         if not series:
@@ -153,7 +162,7 @@ def snapshot(url: str, job: str, start: float, end: float, out: Path, board: dic
             ax.text(0.5, 0.5, "no data", ha="center", va="center", color="grey", transform=ax.transAxes)
             continue
         DRAW.get(panel["type"], draw_timeseries)(ax, panel, series)
-    fig.suptitle(f"{board['title']}: job {job}", fontsize=15, x=0.01, ha="left")
+    fig.text(0.005, 1 - 0.5 * UNIT_H_IN / height, f"{board['title']}: job {job}", fontsize=15, va="top")
     fig.savefig(out, dpi=80)
     plt.close(fig)
     return empty

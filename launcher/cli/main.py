@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import sys
 
@@ -138,17 +139,25 @@ def _report_dry_run(views: list[dict], nodes: int, asked_to_train: bool = True) 
             log.error("dry run failed: ranks %d and %d disagree on the loss: %s vs %s",
                       ref["rank"], other["rank"], ref["losses"], theirs)  # fmt: skip
             return 1
-    shown = " ".join(f"{x:.2f}" for x in curve[:: max(1, len(curve) // 5)])
+    shown = " ".join(_loss(x) for x in curve[:: max(1, len(curve) // 5)])
     # where it ended: the mean of the last steps, as one batch's loss is noisy (a run on text ended on
     # a hard batch at 6.88 after reaching 6.05)
     tail = curve[-LOSS_TAIL:]
     log.info(
-        "Megatron GPT trained on CPU with TP %d x PP %d x DP %d: loss %.2f -> %.2f over %d steps (%s; the "
+        "Megatron GPT trained on CPU with TP %d x PP %d x DP %d: loss %s -> %s over %d steps (%s; the "
         "end: the mean of the last %d); last-stage ranks agreeing: %d",
-        first["tp"], first["pp"], first["dp"], curve[0], sum(tail) / len(tail), len(curve), shown, len(tail),
-        len(trained),
+        first["tp"], first["pp"], first["dp"], _loss(curve[0]), _loss(sum(tail) / len(tail)), len(curve),
+        shown, len(tail), len(trained),
     )  # fmt: skip
     return 0
+
+
+def _loss(x: float) -> str:
+    """Two decimals, or two significant digits below 0.1, in plain digits: a loss trained down to
+    0.0001 (a resumed run's) read "0.00 -> 0.00"."""
+    if not math.isfinite(x) or abs(x) >= 0.1 or x == 0:
+        return f"{x:.2f}"
+    return f"{x:.{1 - math.floor(math.log10(abs(x)))}f}"
 
 
 def job_driver(want_ray: str, want_python: str) -> int:
