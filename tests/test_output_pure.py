@@ -404,9 +404,9 @@ def test_the_sink_shows_a_redrawn_bar_at_most_every_second_and_its_end_once(tmp_
 def test_the_drivers_drain_waits_for_news_and_is_answered_when_it_comes(tmp_path):
     """The sink's long-poll drain (driver/output/sink_host.py): answered when a console rank's line
     or progress arrives, not for a wait sample or a line the console does not show; a drain right
-    after an answer waits out DRAIN_GAP_S (a busy console in batches); a `wake` answers at once,
-    also one that Ray started before the drain it was meant for (async actors' calls may start out
-    of order); with nothing, it ends after its wait."""
+    after an answer waits out DRAIN_GAP_S (a busy console in batches); a `wake` answers the drain
+    it names at once, also one that Ray started before that drain (async actors' calls may start out
+    of order), and no other; with nothing, it ends after its wait."""
     import asyncio
 
     from launcher.driver.output.sink_host import SinkForwarder
@@ -430,11 +430,12 @@ def test_the_drivers_drain_waits_for_news_and_is_answered_when_it_comes(tmp_path
         await asyncio.sleep(0)
         assert not gapped.done()
         assert [ln for _, ln in (await asyncio.wait_for(gapped, 5))[0]] == ["[r0 n0] again"]
-        waiting = asyncio.create_task(sink.drain(60.0, wakes=0))
+        waiting = asyncio.create_task(sink.drain(60.0, token="a"))
         await asyncio.sleep(0.05)
-        await sink.wake()
+        await sink.wake("a")
         assert await asyncio.wait_for(waiting, 5) == ([], [], 3)
-        await sink.wake()  # meant for the drain below, which starts after it
-        assert await asyncio.wait_for(sink.drain(60.0, wakes=1), 5) == ([], [], 3)
+        await sink.wake("b")  # meant for the drain below, which starts after it
+        assert await asyncio.wait_for(sink.drain(60.0, token="b"), 5) == ([], [], 3)
+        assert await sink.drain(0.05, token="a") == ([], [], 3)  # a wake serves its own drain once
 
     asyncio.run(main())

@@ -11,6 +11,7 @@ import contextlib
 import functools
 import logging
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -119,7 +120,7 @@ class OutputRelay:
         self.forwarders: dict[str, Any] = {}  # by node id
         self.lost: set[str] = set()  # nodes found lost: their forwarders are not waited for
         self.drain_ref: Any = None
-        self.wakes = 0  # `wake` calls made on the sink: a drain asked after them waits all the same
+        self.drain_token = ""  # names the drain in flight, for `wake`
         self.writes_seen = 0  # the sink's count of rank writes and reports, when last drained
         self.last_activity = time.monotonic()
         self.progress_seen = False
@@ -161,8 +162,7 @@ class OutputRelay:
         if self.drain_ref is None:
             self.drain_ref = self._ask(0.0 if wait_s else LONG_POLL_S)
         elif wait_s:
-            self.wakes += 1
-            self.sink.wake.remote()
+            self.sink.wake.remote(self.drain_token)
         ready, _ = ray.wait([self.drain_ref], timeout=wait_s)
         if not ready:
             return
@@ -178,7 +178,8 @@ class OutputRelay:
             self.drain_ref = self._ask(LONG_POLL_S)
 
     def _ask(self, wait_s: float) -> Any:
-        return self.sink.drain.remote(wait_s, self.wakes)
+        self.drain_token = uuid.uuid4().hex
+        return self.sink.drain.remote(wait_s, self.drain_token)
 
     def news(self) -> Any:
         """The drain in flight, ready once the sink has something to show (None: none asked)."""

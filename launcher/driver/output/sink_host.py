@@ -47,7 +47,7 @@ class SinkForwarder(NodeForwarder):
         self.local = OutputSink(run_dir, node_of_rank, console)
         self.configured = run_dir is not None
         self._changed = asyncio.Event()  # news in the sink, or a wake: a waiting drain looks again
-        self._wakes = 0  # the driver's `wake` calls so far
+        self._woken: set[str] = set()  # the drains the driver woke (see `drain`)
         self._drained_at = 0.0
         if pool_group is not None:
             threading.Thread(
@@ -100,16 +100,17 @@ class SinkForwarder(NodeForwarder):
         return self.local.tail(rank)
 
     async def drain(
-        self, wait_s: float = 0.0, wakes: int = 0
+        self, wait_s: float = 0.0, token: str = ""
     ) -> tuple[list[tuple[int, str]], list[dict[str, Any]], int]:
         """What the sink holds for the driver (`OutputSink.drain`). With `wait_s`, a long poll: answered
         once there is news (console lines, progress; no sooner than DRAIN_GAP_S after the last
-        answer), after `wait_s`, or at once when the driver has called `wake` more than `wakes`
-        times (it wants what there is now). The driver waits for it beside the ranks' ends
-        (driver/supervision/supervise.py): a line is shown when it reaches the sink, not at the
-        driver's next turn. A count, not a flag: Ray may start an async actor's calls out of order."""
+        answer), after `wait_s`, or at once when the driver calls `wake(token)` (it wants what there
+        is now). The driver waits for it beside the ranks' ends (driver/supervision/supervise.py):
+        a line is shown when it reaches the sink, not at the driver's next turn. A wake names its
+        drain: Ray may start an async actor's calls out of order, and a sink may serve a later
+        relay (a pool's)."""
         deadline = time.monotonic() + wait_s
-        while self._wakes <= wakes and (now := time.monotonic()) < deadline:
+        while token not in self._woken and (now := time.monotonic()) < deadline:
             wait = deadline - now
             if self.local.news():
                 if (gap := self._drained_at + DRAIN_GAP_S - now) <= 0:
@@ -118,12 +119,14 @@ class SinkForwarder(NodeForwarder):
             self._changed.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._changed.wait(), wait)
+        self._woken.discard(token)
         self._drained_at = time.monotonic()
         return self.local.drain()
 
-    async def wake(self) -> None:
-        """A waiting drain answers now (see `drain`)."""
-        self._wakes += 1
+    async def wake(self, token: str) -> None:
+        """The drain asked with `token` answers now, or at once if it has not started (see `drain`);
+        a wake that came after its drain had answered is kept, one short string."""
+        self._woken.add(token)
         self._changed.set()
 
     async def finish(self) -> tuple[list[tuple[int, str]], list[dict[str, Any]], int]:
