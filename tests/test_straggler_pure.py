@@ -196,6 +196,32 @@ def test_the_watch_takes_both_kinds_of_sample_and_keeps_the_step_figures(tmp_pat
     assert record["step_s"] == 0.2 and record["peers_step_s"] == 0.05 and record["stage"] == 0
 
 
+def test_nothing_is_named_while_megarays_own_spares_load_the_nodes_nor_from_what_they_left(tmp_path):
+    """The warm spares' imports run beside the training (driver/lifecycle/attempt.py holds the watch
+    meanwhile): ranks slowed by them are not named, then, nor from the samples of that time once the
+    spares are ready; a rank slow after that is named as ever, a window later."""
+    now = [0.0]
+    watch = StragglerWatch(tmp_path, ["n0"] * 3, clock=lambda: now[0], wall_offset=lambda: 0.0)
+
+    def run(seconds: float, slow: float) -> None:
+        end = now[0] + seconds
+        while now[0] < end:
+            now[0] += EVERY
+            for rank, s in ((0, 0.05), (1, 0.05), (2, slow)):
+                watch.sample(StepSample(rank, now[0], 0, 10, 10 * s))
+            watch.look()
+
+    watch.hold(True)  # the spares start
+    run(15, slow=0.2)
+    watch.hold(False)  # ready
+    run(5, slow=0.05)
+    assert not watch.found  # the window after the spares is not long enough yet, and balanced
+    run(15, slow=0.05)
+    assert not watch.found
+    run(15, slow=0.2)
+    assert [r["rank"] for r in watch.found] == [2]
+
+
 def test_straggler_detection_is_turned_off_as_other_switches_are():
     from launcher.core.straggler import stragglers_off
 

@@ -172,6 +172,10 @@ class StragglerDetector:
             self._forget(q, now)
         return self.samples
 
+    def forget_suspicions(self) -> None:
+        """Suspects not yet named start over (their evidence came from a time that does not count)."""
+        self.suspect_since = {r: t for r, t in self.suspect_since.items() if r in self.named}
+
     def compared(self, now: float) -> Any:
         """The window's evidence, each rank's against its peers': worked out once a look, for both
         `suspects` and `scores`."""

@@ -83,19 +83,20 @@ class SparePool:
         self.state = SpareState.WARMING
         log.info("starting %d warm spare(s) for a restart (importing %s)", len(self.actors), ", ".join(steps))
 
-    def tend(self, attempt: int) -> None:
-        """Say once when every spare has finished importing (they warm while the attempt trains)."""
+    def tend(self, attempt: int) -> bool:
+        """Say once when every spare has finished importing (they warm while the attempt trains);
+        whether they still are."""
         refs = self.warm_refs
-        if self.state is not SpareState.WARMING or len(
-            ray.wait(refs, num_returns=len(refs), timeout=0)[0]
-        ) < len(refs):
-            return
+        if self.state is not SpareState.WARMING:
+            return False
+        if len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
+            return True
         try:
             results = ray.get(refs)
         except ray.exceptions.RayError as e:
             self.state = SpareState.FAILED
             log.warning("a warm spare failed: %s; a restart will place every rank anew", first_line(e))
-            return
+            return False
         self.state = SpareState.READY
         failed = sorted({step for r in results for step in r["failed"]})
         log.info(
@@ -105,6 +106,7 @@ class SparePool:
             time.monotonic() - self.started_at,
             f" (could not import {', '.join(failed)}: the ranks will)" if failed else "",
         )
+        return False
 
     def hand_over(self) -> SparePool | None:
         """After a failure: these spares, and the groups, for the next attempt (None if they failed)."""

@@ -51,6 +51,21 @@ class StragglerWatch:
         self.found: list[dict[str, Any]] = []  # every finding, in order; a rank's last is its current
         self.slow: dict[int, tuple[float, float]] = {}  # named and not recovered: (since, slowdown), by rank
         self.next_look = 0.0
+        self.held = False  # megaray's own work loads the ranks' nodes: nothing is decided meanwhile
+
+    def hold(self, busy: bool) -> None:
+        """`busy`: megaray loads the ranks' nodes itself (warm spares importing torch and Megatron
+        beside the training, driver/lifecycle/attempt.py), so the ranks' timings are not their own and
+        no look is made. Once it is over the next look waits for a window of samples taken after it,
+        and suspicions from before are dropped (a rank named before stays named until its evidence
+        says otherwise). On 2 CPU cores the spares' imports got two ranks named 1.5x slow for 6-7 s."""
+        if busy:
+            self.held = True
+        elif self.held:
+            self.held = False
+            self.next_look = self.clock() + self.window_s
+            for detector in self.detectors.values():
+                detector.forget_suspicions()
 
     def sample(self, sample: Sample) -> None:
         kind = type(sample)
@@ -60,7 +75,7 @@ class StragglerWatch:
 
     def look(self) -> None:
         now = self.clock()
-        if now < self.next_look:
+        if self.held or now < self.next_look:
             return
         self.next_look = now + LOOK_EVERY_S
         scores = self.on_scores is not None
