@@ -112,8 +112,12 @@ def main() -> int:
         print(f"the run ended with {rc} after {time.time() - start:.0f} s", flush=True)
         time.sleep(6)  # the last export and scrape
         args.out.parent.mkdir(parents=True, exist_ok=True)
+        # the dashboard as it stood 10 s before the end, while training (after it, the states that
+        # the driver set last may not have been exported before it exited)
+        end = json.loads((runs / JOB / "summary.json").read_text())["ended_at"] - 10
+        minutes = f"{(end - start) / 60 + 0.5:.1f}"
         shot = [PY, str(REPO / "examples" / "grafana" / "snapshot.py"), "--prometheus", url, "--job", JOB,
-                "--minutes", f"{(time.time() - start) / 60 + 0.5:.1f}", "--out", str(args.out)]  # fmt: skip
+                "--end", str(end), "--minutes", minutes, "--out", str(args.out)]  # fmt: skip
         subprocess.run(shot, check=True)
         print((work / "driver.log").read_text()[-1500:])
     finally:

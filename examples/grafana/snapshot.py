@@ -78,10 +78,12 @@ def shown(value: float, unit: str | None) -> str:
 
 
 def draw_stat(ax, panel: dict, series: list[Series]) -> None:
-    """The last value of each series; a state panel (its series are 1 for the current state) shows
-    the names of those at 1."""
+    """The value at the window's end of each series that has one (a query filtered with `== 1`
+    leaves a state's series only where it held); a state panel shows the names of those at 1."""
     ax.axis("off")
     unit = panel.get("fieldConfig", {}).get("defaults", {}).get("unit")
+    latest = max(s.times[-1] for s in series)
+    series = [s for s in series if s.times[-1] == latest]
     if "state" in panel["targets"][0]["legendFormat"]:
         lines = [s.label.split(": ")[-1] for s in series if s.values and s.values[-1] == 1]
     else:
