@@ -22,7 +22,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -37,32 +36,6 @@ def wait_for(what: str, ready, timeout_s: float = 120) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError(f"{what}: not within {timeout_s:.0f} s")
         time.sleep(0.5)
-
-
-def prometheus(temp_dir: Path, work: Path) -> tuple[subprocess.Popen, str]:
-    """A Prometheus scraping every 2 s the targets in Ray's service-discovery file."""
-    sd = temp_dir / "session_latest" / "prom_metrics_service_discovery.json"
-    config = work / "prometheus.yml"
-    config.write_text(
-        "global:\n  scrape_interval: 2s\nscrape_configs:\n  - job_name: ray\n    file_sd_configs:\n"
-        f"      - files: ['{sd}']\n        refresh_interval: 2s\n"
-    )
-    url = "http://127.0.0.1:19090"
-    proc = subprocess.Popen(
-        ["prometheus", f"--config.file={config}", "--web.listen-address=127.0.0.1:19090",
-         f"--storage.tsdb.path={work / 'tsdb'}"],
-        stdout=(work / "prometheus.log").open("w"), stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
-
-    def ready() -> bool:
-        try:
-            urllib.request.urlopen(url + "/-/ready", timeout=2)
-            return True
-        except OSError:
-            return False
-
-    wait_for("prometheus", ready, 60)
-    return proc, url
 
 
 def rank_pid(runs: Path, rank: int) -> int:
@@ -81,6 +54,7 @@ def main() -> int:
     if shutil.which("prometheus") is None:
         sys.exit("needs Debian's prometheus package: apt-get install prometheus")
     sys.path.insert(0, str(REPO))
+    from tests.prometheus import Prometheus
     from tests.raycluster import start_cluster
 
     work = Path(tempfile.mkdtemp(prefix="megaray-dashboard-"))
@@ -90,7 +64,8 @@ def main() -> int:
         cluster.add_worker(num_cpus=2)
         env = {k: v for k, v in cluster.env.items() if k != "RAY_AUTH_MODE"}  # as a user's shell has it
         env["PYTHONPATH"] = str(REPO)
-        prom, url = prometheus(cluster.tmp, work)
+        sd = cluster.tmp / "session_latest" / "prom_metrics_service_discovery.json"
+        prom = Prometheus(sd, work, scrape_s=2.0)
         runs = work / "runs"
         start = time.time()
         driver = subprocess.Popen(
@@ -116,8 +91,9 @@ def main() -> int:
         # the driver set last may not have been exported before it exited)
         end = json.loads((runs / JOB / "summary.json").read_text())["ended_at"] - 10
         minutes = f"{(end - start) / 60 + 0.5:.1f}"
-        shot = [PY, str(REPO / "examples" / "grafana" / "snapshot.py"), "--prometheus", url, "--job", JOB,
-                "--end", str(end), "--minutes", minutes, "--out", str(args.out)]  # fmt: skip
+        snapshot = str(REPO / "examples" / "grafana" / "snapshot.py")
+        shot = [PY, snapshot, "--prometheus", prom.url, "--job", JOB, "--end", str(end), "--minutes", minutes,
+                "--out", str(args.out)]  # fmt: skip
         subprocess.run(shot, check=True)
         print((work / "driver.log").read_text()[-1500:])
     finally:
@@ -125,8 +101,7 @@ def main() -> int:
             driver.send_signal(signal.SIGINT)
             driver.wait(60)
         if prom is not None:
-            prom.terminate()
-            prom.wait(30)
+            prom.stop()
         cluster.stop()
     return 0
 
