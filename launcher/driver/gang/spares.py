@@ -83,20 +83,22 @@ class SparePool:
         self.state = SpareState.WARMING
         log.info("starting %d warm spare(s) for a restart (importing %s)", len(self.actors), ", ".join(steps))
 
-    def tend(self, attempt: int) -> bool:
-        """Say once when every spare has finished importing (they warm while the attempt trains);
-        whether they still are."""
+    @property
+    def warming(self) -> bool:
+        """Still importing: their load is on the ranks' nodes (driver/supervision/stragglers.py)."""
+        return self.state is SpareState.WARMING
+
+    def tend(self, attempt: int) -> None:
+        """Say once when every spare has finished importing (they warm while the attempt trains)."""
         refs = self.warm_refs
-        if self.state is not SpareState.WARMING:
-            return False
-        if len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
-            return True
+        if not self.warming or len(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) < len(refs):
+            return
         try:
             results = ray.get(refs)
         except ray.exceptions.RayError as e:
             self.state = SpareState.FAILED
             log.warning("a warm spare failed: %s; a restart will place every rank anew", first_line(e))
-            return False
+            return
         self.state = SpareState.READY
         failed = sorted({step for r in results for step in r["failed"]})
         log.info(
@@ -106,7 +108,6 @@ class SparePool:
             time.monotonic() - self.started_at,
             f" (could not import {', '.join(failed)}: the ranks will)" if failed else "",
         )
-        return False
 
     def hand_over(self) -> SparePool | None:
         """After a failure: these spares, and the groups, for the next attempt (None if they failed)."""

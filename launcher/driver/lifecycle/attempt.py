@@ -227,15 +227,15 @@ class Attempt:
             log.info("rank 0 imported its program's stack in %.1f s%s", done["seconds"], built)
 
     def _tend_spares(self) -> None:
-        """Start the next attempt's spares once this one trains (they would compete with its ranks'
-        own imports before), and say when they are ready; meanwhile, their imports loading the ranks'
-        nodes, nothing is named slow (driver/supervision/stragglers.py `hold`)."""
+        """Start the next attempt's spares once this one trains (before, they would compete with its
+        ranks' imports) and tend them; while they import, nobody is named slow (stragglers.py `hold`)."""
         spec, gang = self.spec, self.gang
         due = self.relay.progress_seen or gang.since("started") >= SPARES_AFTER_S
         if self.spares_out is None and spec.spares and self.number < spec.max_restarts and due:
             self.spares_out = gang.start_spares(f"{spec.job_name}-a{self.number + 1}")
-        if self.spares_out is not None and self.relay.stragglers is not None:
-            self.relay.stragglers.hold(self.spares_out.tend(self.number + 1))
+        if self.spares_out is not None:
+            self.spares_out.tend(self.number + 1)
+            self.relay.stragglers.hold(self.spares_out.warming)
 
     def hand_over(self) -> SparePool | None:
         """After a failure: the spares for the next attempt, which keeps the groups too."""

@@ -109,7 +109,7 @@ class OutputRelay:
         sink: Any,
         console: frozenset[int],
         progress: ProgressView,
-        stragglers: StragglerWatch | None = None,
+        stragglers: StragglerWatch,
     ):
         """`sink`: the attempt's (`open_sink`); `console`: the ranks whose lines are shown;
         `stragglers` is given the ranks' wait samples."""
@@ -199,8 +199,7 @@ class OutputRelay:
         self.progress.print_lines(lines)
         for record in records:
             if "sample" in record:
-                if self.stragglers is not None:
-                    self.stragglers.sample(record["sample"])
+                self.stragglers.sample(record["sample"])
                 continue
             if "checkpoint" in record:  # a line that says so, or `launcher.checkpointing`
                 phase = Phase(record.get("phase", Phase.SAVED))
@@ -212,8 +211,7 @@ class OutputRelay:
                 continue
             self.progress.update(record)
             self.progress_seen = True
-        if self.stragglers is not None:
-            self.stragglers.look()
+        self.stragglers.look()
 
     def stop_ranks(self) -> None:
         """SIGTERM to every rank still running: each waits for it on its node's forwarder and sends it
