@@ -121,14 +121,12 @@ class OutputSink:
         for ln in lines:
             record = parse_megatron_line(ln)
             if record is not None:
-                self.progress.append({**record, "rank": rank})
-                self.reported = True
+                self._progress({**record, "rank": rank})
             elif (said := parse_checkpoint_line(ln)) is not None:
                 phase, iteration = said
-                self.progress.append(
+                self._progress(
                     {"rank": rank, "checkpoint": iteration, "phase": phase.value, "time": time.time()}
                 )
-                self.reported = True
         if rank in self.console_ranks:
             self.console.extend((source.stream, tag + ln) for ln in lines if not ray_crash_line(ln))
 
@@ -158,7 +156,11 @@ class OutputSink:
     def report(self, rank: int, record: dict[str, Any]) -> None:
         """Progress sent by `launcher.progress.report()` on a rank (in a node's batch)."""
         self.writes += 1
-        self.progress.append({**record, "rank": rank})
+        self._progress({**record, "rank": rank})
+
+    def _progress(self, record: dict[str, Any]) -> None:
+        """Progress or a checkpoint for the driver: news (`news`), unlike a wait sample."""
+        self.progress.append(record)
         self.reported = True
 
     def sample(self, sample: Sample) -> None:
