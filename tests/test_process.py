@@ -164,7 +164,7 @@ def test_a_rank_sees_the_process_torchrun_gives_it(tmp_path):
 
 ABORT_ON_EXIT = """
 import atexit, os, sys
-print("rank", os.environ["RANK"], "returns", flush=True)
+print(f"rank {os.environ['RANK']} returns", flush=True)
 if os.environ["RANK"] == "1":
     atexit.register(os.abort)  # as a native library's teardown can
 """
@@ -216,8 +216,10 @@ def test_a_recorded_error_is_reported_as_torchrun_reports_it(tmp_path):
 
 CLOSES_OUTPUT = """
 import os, sys
-print("rank", os.environ["RANK"], "closes its output", flush=True)
-print("rank", os.environ["RANK"], "says so on stderr", file=sys.stderr, flush=True)
+# one string a line: with PYTHONUNBUFFERED set, print() writes each of its arguments apart, and two
+# ranks sharing torchrun's stdout interleave them ("rankrank 1 ...")
+print(f"rank {os.environ['RANK']} closes its output", flush=True)
+print(f"rank {os.environ['RANK']} says so on stderr", file=sys.stderr, flush=True)
 os.close(1)
 os.close(2)
 """
@@ -238,9 +240,9 @@ READS_STDIN = """
 import os
 try:
     input()
-    print("rank", os.environ["RANK"], "read a line")
+    print(f"rank {os.environ['RANK']} read a line")
 except EOFError:
-    print("rank", os.environ["RANK"], "got EOFError")
+    print(f"rank {os.environ['RANK']} got EOFError")
 """
 
 

@@ -460,3 +460,47 @@ def test_a_node_of_up_killed_leaves_launches_one_line_and_down_stops_the_rest(en
     finally:
         down = megaray(env, "down")
     assert down.returncode == 0 and processes_under(env["MEGARAY_STATE_DIR"]) == []
+
+
+# Stand-ins for `ray start --head`: the first as a head whose GCS could not bind its port (the lines
+# Ray prints then, ray/_private/node.py), the second a head whose GCS answers on the port it is given.
+GCS_FAILED = "echo 'RuntimeError: Failed to start GCS.  Last 1 lines of error files: ...'"
+GCS_ANSWERS = """
+import socket, sys, time
+port = int(sys.argv[sys.argv.index("--port") + 1])
+with socket.create_server(("127.0.0.1", port)) as s:
+    time.sleep(60)
+"""
+
+
+def test_a_head_whose_gcs_exits_as_it_starts_is_started_again_on_another_port(tmp_path):
+    """`megaray up` got exit 2 in a CI run: its head's GCS exited as it started (its port, picked free
+    from the ephemeral range, taken meanwhile). The port comes from below that range now, and such a
+    head is started once more; one that fails otherwise is not."""
+    from launcher.core.errors import ClusterError
+    from launcher.driver.cluster import up_nodes
+
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert all(up_nodes.QUIET_PORTS_FROM <= up_nodes.free_port() < low for _ in range(20))
+    log, asked = tmp_path / "up.log", []
+
+    def start(args: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
+        asked.append(args[args.index("--port") + 1])
+        with open(log_path, "a") as out:
+            if len(asked) == 1:
+                return subprocess.Popen(["sh", "-c", f"{GCS_FAILED}; exit 1"], stdout=out, stderr=out)
+            return subprocess.Popen([sys.executable, "-c", GCS_ANSWERS, *args], stdout=out, stderr=out)
+
+    procs: list[subprocess.Popen] = []
+    try:
+        address = up_nodes.start_head(["--num-cpus", "1"], log, {}, procs, start=start)
+        assert len(asked) == 2 and address == f"127.0.0.1:{asked[1]}" and len(procs) == 1, (asked, address)
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    failing = lambda args, log_path, env: subprocess.Popen(["sh", "-c", "echo 'no such option'; exit 2"])  # noqa: E731
+    procs = []
+    with pytest.raises(ClusterError, match="did not start"):
+        up_nodes.start_head([], log, {}, procs, start=failing)
+    assert len(procs) == 1  # not started again: not the GCS's port

@@ -19,9 +19,7 @@ import logging
 import os
 import secrets
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -30,11 +28,11 @@ from pathlib import Path
 
 from ...core.errors import ClusterError, Interrupted, UsageError
 from ...core.raytoken import auth_disabled, find_token, token_path
+from . import up_nodes as nodes_of_up
 from .owned import is_still, session_members, start_ticks
 
 log = logging.getLogger("megaray")
 
-NODE_START_TIMEOUT_S = 90.0
 # An up interrupted while its nodes start: nothing of a user's runs there yet, so Ray's processes are
 # given this long to end on SIGTERM, not a running node's 30 s. A node's dashboard and runtime-env
 # agents, still importing, look for their raylet only once up (12-14 s after the SIGTERM on a busy
@@ -126,26 +124,6 @@ def one_at_a_time() -> Iterator[None]:
         yield
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def ray_command() -> list[str]:
-    """The `ray` command of this Python: its script beside the interpreter, as pip installs it, else
-    the same entry point through the interpreter (Ray on PYTHONPATH, from a folder or an archive,
-    has no script)."""
-    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
-    return [ray_bin] if os.access(ray_bin, os.X_OK) else [sys.executable, "-m", "ray.scripts.scripts"]
-
-
-def _start_node(args: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
-    cmd = [*ray_command(), "start", "--block", "--disable-usage-stats", *args]
-    with open(log_path, "a") as out:
-        return subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-
-
 def start(
     nodes: int, gpus_per_node: int, device: str, cpus_per_rank: float = 1.0,
     when_ready: Callable[[], None] | None = None, starting: str = "",
@@ -161,7 +139,6 @@ def start(
 
     root = state_dir()
     temp_dir = root / "ray"
-    port = _free_port()
     cpus = max(1, int(cpus_per_rank * gpus_per_node + 0.999))
     gpus = gpus_per_node if device == "gpu" else 0
     env = node_env(os.environ)
@@ -174,21 +151,13 @@ def start(
         log.info("%s", starting)
     per_node = ["--num-cpus", str(cpus), "--num-gpus", str(gpus)]
     logs = root / "up.log"
-    procs = [
-        _start_node(
-            ["--head", "--port", str(port), "--node-ip-address", "127.0.0.1", "--include-dashboard", "false",
-             "--temp-dir", str(temp_dir), *per_node],
-            logs, env,
-        )
-    ]  # fmt: skip
-    address = f"127.0.0.1:{port}"
-    state = Standing(
-        address, nodes, gpus_per_node, device, (procs[0].pid,), str(temp_dir), time.time(), cpus_per_rank,
-        (start_ticks(procs[0].pid),),
-    )  # fmt: skip
+    procs: list[subprocess.Popen] = []  # the nodes' `ray start`, head first, each as soon as it runs
+    state = Standing("", nodes, gpus_per_node, device, (), str(temp_dir), time.time(), cpus_per_rank)
     _raise_on_signals()  # Ctrl-C or SIGTERM while the nodes start: stop those started, then exit
     try:
-        _wait(lambda: _reachable(address), procs[0], logs)
+        head = ["--node-ip-address", "127.0.0.1", "--include-dashboard", "false", "--temp-dir", str(temp_dir)]
+        address = nodes_of_up.start_head([*head, *per_node], logs, env, procs)
+        state = dataclasses.replace(state, address=address)
         with token_mode(address, announce=False):
             try:
                 ray.init(
@@ -203,12 +172,12 @@ def start(
             _raise_on_signals()  # ray.init put its own SIGTERM handler, which aborts the process
             try:
                 for _ in range(nodes - 1):  # one at a time: raylets registering together time out on 2 cores
-                    before = _count_alive()
+                    before = nodes_of_up.count_alive()
                     # one log monitor a machine, as Ray says: each tails the same session's logs
                     # (what a rank group streams would come twice), for a share of a core each
                     joined = ["--address", address, "--include-log-monitor", "false", *per_node]
-                    procs.append(_start_node(joined, logs, env))
-                    _wait(lambda b=before: _count_alive() > b, procs[-1], logs)
+                    procs.append(nodes_of_up.start_node(joined, logs, env))
+                    nodes_of_up.wait_until(lambda b=before: nodes_of_up.count_alive() > b, procs[-1], logs)
                 state = _recorded(state, procs)
                 if when_ready is not None:
                     when_ready()
@@ -272,30 +241,6 @@ def ensure_token(environ: dict[str, str], home: Path) -> None:
         "local Ray of `megaray up` uses token authentication, as Ray's own local clusters do)",
         path,
     )
-
-
-def _reachable(address: str) -> bool:
-    host, port = address.rsplit(":", 1)
-    try:
-        with socket.create_connection((host, int(port)), timeout=1):
-            return True
-    except OSError:
-        return False
-
-
-def _count_alive() -> int:
-    import ray
-
-    return sum(n["Alive"] for n in ray.nodes())
-
-
-def _wait(ready, proc: subprocess.Popen, logs: Path) -> None:
-    deadline = time.monotonic() + NODE_START_TIMEOUT_S
-    while not ready():
-        if proc.poll() is not None or time.monotonic() > deadline:
-            tail = logs.read_text()[-1500:] if logs.exists() else ""
-            raise ClusterError(f"a node of `megaray up` did not start (see {logs}): {tail.strip()[-400:]}")
-        time.sleep(0.2)
 
 
 def _recorded(state: Standing, procs: list[subprocess.Popen]) -> Standing:
