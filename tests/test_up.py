@@ -272,7 +272,8 @@ def test_pools_run_programs_as_a_cold_start_refill_and_give_back_when_idle(env, 
         started_log, started = probe_run(env, tmp_path, "started")
         assert "taking the pool (2 processes started, nothing imported)" in started_log
         assert started == cold, differences(started, cold)
-        assert megaray(env, "down").returncode == 0
+        # on the same pool, refilled: a launch whose driver was killed, then `down` while one runs
+        a_pool_taken_by_a_launch_whose_driver_was_killed_is_free(env, tmp_path)
         up = megaray(env, "up", "--gpus-per-node", "2", "--warm", "--idle-timeout", "12")
         assert up.returncode == 0 and "with a warm pool" in up.stderr, up.stderr[-2000:]
         listed = megaray(env, "list")
@@ -347,65 +348,65 @@ time.sleep(600)
 """
 
 
-def test_a_pool_taken_by_a_launch_whose_driver_was_killed_is_free(env, tmp_path):
-    """kill -9 of a driver whose launch took the pool: the pool's processes go on running its ranks,
-    and the claim stays; `megaray list` says the job ended, and the next launch gives the pool back
-    (ending those ranks) and runs. Then `megaray down` while a launch runs: both say so."""
+def a_pool_taken_by_a_launch_whose_driver_was_killed_is_free(env: dict[str, str], tmp_path: Path) -> None:
+    """On a running `megaray up` (1 node x 2) whose pool was taken and is refilled: kill -9 of a
+    driver whose launch took the pool: the pool's processes go on running its ranks, and the claim
+    stays; `megaray list` says the job ended, and the next launch gives the pool back (ending those
+    ranks) and runs. Then `megaray down` while a launch runs: both say so. (Formerly a test of its
+    own with an `up` of its own; part of test_pools_run_programs_as_a_cold_start_....)"""
     import signal
     import time
 
     (tmp_path / "sleeps.py").write_text(SLEEPS)
     runs = ["--device", "cpu", "--gpus-per-node", "2", "--runs-dir", str(tmp_path / "runs")]
-    try:
-        assert megaray(env, "up", "--gpus-per-node", "2").returncode == 0
-        driver = subprocess.Popen([sys.executable, str(REPO / "main.py"), *runs, "--env", f"OUT={tmp_path}",
-                                   "sleeps.py"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-                                  stderr=subprocess.DEVNULL)  # fmt: skip
-        deadline = time.monotonic() + 120
-        while not all((tmp_path / f"running-{r}").exists() for r in range(2)):
-            assert driver.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
-        ranks = [int((tmp_path / f"running-{r}").read_text()) for r in range(2)]
-        # meanwhile, a second launch of the layout: the pool is in use and the local Ray cannot grow,
-        # so it fails within seconds (it waited out --placement-timeout, 120 s)
-        t0 = time.monotonic()
-        second = megaray(env, *runs, "examples/torchrun_script.py")
-        assert second.returncode == 2 and "not placed within 10s" in second.stderr, second.stderr[-3000:]
-        assert "in use by job" in second.stderr and time.monotonic() - t0 < 60
-        driver.send_signal(signal.SIGKILL)
-        driver.wait()
-        deadline = time.monotonic() + 30  # Ray marks the driver's job dead when its connection closes
-        while "which ended without giving it back" not in (listed := megaray(env, "list").stdout):
-            assert time.monotonic() < deadline, listed
-            time.sleep(1)
-        again = megaray(env, *runs, "examples/torchrun_script.py")
-        assert again.returncode == 0, again.stderr[-3000:]
-        assert "which ended without giving it back: given back" in again.stderr
-        for pid in ranks:  # the killed launch's ranks ended with the pool's processes
-            assert (
-                not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
-            )
-        # `down` while a launch runs on it (#46): down names the launch it ends, which says why it failed
-        # (it blamed a crash or the OOM killer)
-        (tmp_path / "second").mkdir()
-        log = tmp_path / "second.log"
-        driver = drive.start(*runs, "--env", f"OUT={tmp_path / 'second'}", "sleeps.py", env=env, cwd=tmp_path,
-                             log=log)  # fmt: skip
-        deadline = time.monotonic() + 120
-        while not all((tmp_path / "second" / f"running-{r}").exists() for r in range(2)):
-            assert driver.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
-            time.sleep(0.2)
-        down = megaray(env, "down")
-        assert down.returncode == 0 and f"stopping it ends 1 launch(es) running on it: pid {driver.pid}" in (
-            down.stderr
-        ), down.stderr[-3000:]
-        assert driver.wait(timeout=120) == 1
-        assert "was stopped meanwhile (`megaray down`): its ranks ended with it" in log.read_text(), (
-            log.read_text()[-3000:]
-        )
-    finally:
-        down = megaray(env, "down")
-    assert down.returncode == 0 and processes_under(env["MEGARAY_STATE_DIR"]) == []
+    deadline = time.monotonic() + 60  # the pool refilled after the last launch took it
+    while "ready: 2 process" not in (listed := megaray(env, "list").stdout):
+        assert time.monotonic() < deadline, listed
+        time.sleep(0.5)
+    driver = subprocess.Popen([sys.executable, str(REPO / "main.py"), *runs, "--env", f"OUT={tmp_path}",
+                               "sleeps.py"], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / f"running-{r}").exists() for r in range(2)):
+        assert driver.poll() is None and time.monotonic() < deadline
+        time.sleep(0.2)
+    ranks = [int((tmp_path / f"running-{r}").read_text()) for r in range(2)]
+    # meanwhile, a second launch of the layout: the pool is in use and the local Ray cannot grow,
+    # so it fails within seconds (it waited out --placement-timeout, 120 s)
+    t0 = time.monotonic()
+    second = megaray(env, *runs, "examples/torchrun_script.py")
+    assert second.returncode == 2 and "not placed within 10s" in second.stderr, second.stderr[-3000:]
+    assert "in use by job" in second.stderr and time.monotonic() - t0 < 60
+    driver.send_signal(signal.SIGKILL)
+    driver.wait()
+    deadline = time.monotonic() + 30  # Ray marks the driver's job dead when its connection closes
+    while "which ended without giving it back" not in (listed := megaray(env, "list").stdout):
+        assert time.monotonic() < deadline, listed
+        time.sleep(1)
+    again = megaray(env, *runs, "examples/torchrun_script.py")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "which ended without giving it back: given back" in again.stderr
+    for pid in ranks:  # the killed launch's ranks ended with the pool's processes
+        assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+    # `down` while a launch runs on it (#46): down names the launch it ends, which says why it failed
+    # (it blamed a crash or the OOM killer)
+    (tmp_path / "second").mkdir()
+    log = tmp_path / "second.log"
+    driver = drive.start(*runs, "--env", f"OUT={tmp_path / 'second'}", "sleeps.py", env=env, cwd=tmp_path,
+                         log=log)  # fmt: skip
+    deadline = time.monotonic() + 120
+    while not all((tmp_path / "second" / f"running-{r}").exists() for r in range(2)):
+        assert driver.poll() is None and time.monotonic() < deadline, log.read_text()[-3000:]
+        time.sleep(0.2)
+    down = megaray(env, "down")
+    assert down.returncode == 0 and f"stopping it ends 1 launch(es) running on it: pid {driver.pid}" in (
+        down.stderr
+    ), down.stderr[-3000:]
+    assert driver.wait(timeout=120) == 1
+    assert "was stopped meanwhile (`megaray down`): its ranks ended with it" in log.read_text(), (
+        log.read_text()[-3000:]
+    )
+    assert processes_under(env["MEGARAY_STATE_DIR"]) == []
 
 
 def test_sigterm_while_up_starts_its_nodes_leaves_nothing(env):
