@@ -5,8 +5,9 @@ The head's GCS port is picked free, then bound by the GCS a moment later. A port
 ephemeral range can be taken meanwhile by any outgoing connection on the machine (Ray's own gRPC
 clients open many), and the GCS then exits as it starts ("Failed to start GCS ... Last connection
 error: None", seen once in a CI run on a loaded 2-core machine). So the port comes from below that
-range and above Ray's worker ports (10002-19999 by default), where nothing takes a port unasked; and
-a head whose GCS exited as it started is started once more, on another port.
+range and above the ports megaray's launches draw MASTER_PORT from (core/topology.py PORT_RANGE,
+itself above Ray's worker ports), where nothing takes a port unasked; and a head whose GCS exited as
+it started is started once more, on another port.
 """
 
 from __future__ import annotations
@@ -24,14 +25,15 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ...core.errors import ClusterError
+from ...core.topology import PORT_RANGE
 from .owned import session_members, start_ticks
 
 log = logging.getLogger("megaray")
 
 NODE_START_TIMEOUT_S = 90.0
-# Ray's default worker ports end at 19999; the kernel's ephemeral range starts above this machine's
-# `ip_local_port_range` low end (32768 by default)
-QUIET_PORTS_FROM = 20000
+# from the end of the launches' MASTER_PORT range to the kernel's ephemeral range (`ip_local_port_range`,
+# 32768 by default)
+QUIET_PORTS_FROM = PORT_RANGE[1]
 # What `ray start --head` says when its GCS process exited before answering (ray/_private/node.py)
 GCS_EXITED = "Failed to start GCS"
 HEAD_STARTS = 2
