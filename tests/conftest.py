@@ -198,7 +198,7 @@ KINDS = {
 # Without the namespace tests (the fast loop), longest first alone.
 FIRST = ("test_netns", "test_ray_start", "test_restarts", "test_one_node", "test_rank_failures")
 SECONDS = {
-    "test_restarts": 266, "test_netns": 178, "test_up": 210, "test_megatron": 202, "test_ray_start": 157,
+    "test_restarts": 266, "test_netns": 178, "test_up": 185, "test_megatron": 202, "test_ray_start": 157,
     "test_bench": 138, "test_multi_node": 120, "test_rank_failures": 107, "test_process": 101,
     "test_one_node": 90, "test_metrics": 73, "test_demo": 68, "test_submit": 66, "test_gpu_suite": 52,
     "test_addresses": 32, "test_examples": 14,

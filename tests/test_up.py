@@ -119,6 +119,7 @@ def test_up_holds_a_local_ray_that_launches_attach_to_and_down_leaves_nothing(en
         for extra, more_env in ((["--address", "127.0.0.1:9"], {}), ([], {"RAY_ADDRESS": "127.0.0.1:9"})):
             refused = megaray({**env, **more_env}, *extra, "--device", "cpu", "examples/torchrun_script.py")
             assert refused.returncode == 2 and "cannot reach a Ray cluster at 127.0.0.1:9" in refused.stderr
+        a_node_of_up_killed_leaves_launches_one_line(env, runs)
         # the user's own processes that name the cluster's folder: not megaray's to stop
         decoys += [
             # -F: it follows the name, so a log Ray has not written (yet) cannot end it by itself
@@ -432,35 +433,31 @@ def test_sigterm_while_up_starts_its_nodes_leaves_nothing(env):
     assert processes_under(state) == [] and not (Path(state) / "up.json").exists()
 
 
-def test_a_node_of_up_killed_leaves_launches_one_line_and_down_stops_the_rest(env):
-    """One node of `megaray up` killed (its `ray start` and raylet): its pool process is gone (a
-    launch of the pool's layout got a traceback, and one of another layout waited 120 s beside the
-    pool's held bundle). Now: the pool is given back, a launch that no longer fits fails in seconds,
-    one that fits runs, and `megaray down` stops what is left of that node too."""
+def a_node_of_up_killed_leaves_launches_one_line(env: dict[str, str], runs: str) -> None:
+    """One node of a running `megaray up` (2 nodes x 2) killed (its `ray start` and raylet): its pool
+    processes are gone (a launch of the pool's layout got a traceback, and one of another layout
+    waited 120 s beside the pool's held bundle). Now: the pool is given back, a launch that no longer
+    fits fails in seconds, one that fits runs; the caller's `megaray down` then stops what is left.
+    (Formerly a test of its own, with an `up` of its own.)"""
     import json
     import signal
     import time
 
-    runs = ["--device", "cpu", "--gpus-per-node", "1", "--runs-dir", tempfile.mkdtemp(prefix="mru-runs-")]
-    try:
-        assert megaray(env, "up", "--nodes", "2", "--gpus-per-node", "1").returncode == 0
-        second = json.loads((Path(env["MEGARAY_STATE_DIR"]) / "up.json").read_text())["pids"][1]
-        # the node lost: its `ray start` and its raylet (the process group megaray started it in)
-        os.killpg(second, signal.SIGKILL)
-        deadline = time.monotonic() + 30  # its workers (the pool's process) end when they see it gone
-        while session_members(second, None):
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
-        t0 = time.monotonic()
-        lost = megaray(env, *runs, "--nodes", "2", "examples/torchrun_script.py")
-        assert lost.returncode == 2 and "Traceback" not in lost.stderr, lost.stderr[-3000:]
-        gone = ("has lost a process", "is not there")  # told by its call failing, or Ray knows already
-        assert any(g in lost.stderr for g in gone) and time.monotonic() - t0 < 90, lost.stderr[-3000:]
-        fits = megaray(env, *runs, "examples/torchrun_script.py")
-        assert fits.returncode == 0, fits.stderr[-3000:]
-    finally:
-        down = megaray(env, "down")
-    assert down.returncode == 0 and processes_under(env["MEGARAY_STATE_DIR"]) == []
+    second = json.loads((Path(env["MEGARAY_STATE_DIR"]) / "up.json").read_text())["pids"][1]
+    # the node lost: its `ray start` and its raylet (the process group megaray started it in)
+    os.killpg(second, signal.SIGKILL)
+    deadline = time.monotonic() + 30  # its workers (the pool's processes) end when they see it gone
+    while session_members(second, None):
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    t0 = time.monotonic()
+    layout = ["--device", "cpu", "--gpus-per-node", "2", "--runs-dir", runs]
+    lost = megaray(env, *layout, "--nodes", "2", "examples/torchrun_script.py")
+    assert lost.returncode == 2 and "Traceback" not in lost.stderr, lost.stderr[-3000:]
+    gone = ("has lost a process", "is not there")  # told by its call failing, or Ray knows already
+    assert any(g in lost.stderr for g in gone) and time.monotonic() - t0 < 90, lost.stderr[-3000:]
+    fits = megaray(env, *layout, "examples/torchrun_script.py")
+    assert fits.returncode == 0, fits.stderr[-3000:]
 
 
 # Stand-ins for `ray start --head`: the first as a head whose GCS could not bind its port (the lines
