@@ -479,7 +479,8 @@ def test_a_head_whose_gcs_exits_as_it_starts_is_started_again_on_another_port(tm
     from launcher.driver.cluster import up_nodes
 
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    assert all(up_nodes.QUIET_PORTS_FROM <= up_nodes.free_port() < low for _ in range(20))
+    if low > up_nodes.QUIET_PORTS_FROM + 100:  # else the kernel's pick: a machine set up otherwise
+        assert all(up_nodes.QUIET_PORTS_FROM <= up_nodes.free_port() < low for _ in range(20))
     log, asked = tmp_path / "up.log", []
 
     def start(args: list[str], log_path: Path, env: dict[str, str]) -> subprocess.Popen:
