@@ -13,9 +13,10 @@ it started is started once more, on another port.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import os
-import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -25,7 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ...core.errors import ClusterError
-from ...core.topology import PORT_RANGE
+from ...core.topology import PORT_RANGE, candidate_ports
+from ...rank.probes import ephemeral_range, port_is_free
 from .owned import session_members, start_ticks
 
 log = logging.getLogger("megaray")
@@ -39,29 +41,15 @@ GCS_EXITED = "Failed to start GCS"
 HEAD_STARTS = 2
 
 
-def _ephemeral_low() -> int:
-    with contextlib.suppress(OSError, ValueError, IndexError):
-        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    return 32768
-
-
-def _bindable(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
 def free_port() -> int:
-    """A free port outside the ephemeral range (the module's docstring says why); the kernel's pick
-    where that range leaves none below it."""
-    low = _ephemeral_low()
-    if low > QUIET_PORTS_FROM + 100:
-        for port in random.sample(range(QUIET_PORTS_FROM, low), 50):
-            if _bindable(port):
-                return port
+    """A free port outside the ephemeral range (the module's docstring says why), drawn afresh at each
+    call (a head started again must not draw the port its GCS could not bind); the kernel's pick where
+    that range leaves none below it."""
+    low = (ephemeral_range() or (32768, 60999))[0]
+    drawn = candidate_ports(secrets.token_hex(8), lo=QUIET_PORTS_FROM, hi=low)
+    for port in itertools.islice(drawn, 50):
+        if port_is_free(port):
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
