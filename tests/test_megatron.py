@@ -129,8 +129,8 @@ def test_check_prints_only_what_megaray_found():
     assert "memory 44.2 GiB per GPU" in p.stderr
 
 
-@pytest.mark.slow  # processes of its own that import Megatron: out of the fast loop
 def test_an_hf_config_that_cannot_be_had_offline_exits_2_at_once(tmp_path):
+    """Refused before bridge is imported (it took 12 CPU-s to say so)."""
     import subprocess
     import sys
     import time
@@ -145,6 +145,20 @@ def test_an_hf_config_that_cannot_be_had_offline_exits_2_at_once(tmp_path):
         "megaray: error: recipe llama3_8b builds its model from meta-llama/Meta-Llama-3-8B"
     )
     assert "--hf-path DIR" in last and "HF_HUB_OFFLINE is set" in last and "Traceback" not in p.stderr
+
+
+def test_while_bridge_imports_the_installed_distributions_are_listed_once():
+    """transformers and diffusers each list them as they import (a CPU-second each on 2 cores): the
+    second is given a copy of the first's answer, and the standard library's function is back after."""
+    import importlib.metadata
+
+    real = importlib.metadata.packages_distributions
+    with compat.distributions_listed_once():
+        first = importlib.metadata.packages_distributions()
+        first["megaray-test"] = ["changed by its caller"]
+        second = importlib.metadata.packages_distributions()
+    assert importlib.metadata.packages_distributions is real
+    assert "megaray-test" not in second and second["torch"] == ["torch"] and second is not first
 
 
 def test_relaunches_resume_from_the_recipe_checkpoints_and_nccl_outlasts_the_hang_timeout(configs, tmp_path):

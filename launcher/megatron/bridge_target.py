@@ -65,14 +65,14 @@ def build_config(recipe: Recipe, overrides: list[str], hf_path: str | None = Non
 
     Returns the config and notes on what was adapted to this machine.
     """
-    compat.import_bridge()
-    check_overrides(overrides)
+    check_overrides(overrides)  # both refusals before bridge's import (12 CPU-s on 2 cores)
     if recipe.hf_model and not hf_path and (problem := hf_config_problem(recipe.hf_model)):
         raise UsageError(
             f"recipe {recipe.name} builds its model from {recipe.hf_model}'s config.json, which {problem}: "
             "pass --hf-path DIR (a folder with the model's config.json), or put it in the HF cache where "
             f"there is network (`huggingface-cli download {recipe.hf_model} config.json`) and set HF_HOME"
         )
+    compat.import_bridge()
     function = recipe_function(recipe)
     try:
         with _hf_model_from(recipe.hf_model, hf_path):

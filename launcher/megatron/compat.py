@@ -16,8 +16,11 @@ where the problem does not exist (a real TransformerEngine is always used when i
 from __future__ import annotations
 
 import builtins
+import contextlib
+import functools
 import importlib.abc
 import importlib.machinery
+import importlib.metadata
 import importlib.util
 import logging
 import sys
@@ -115,9 +118,51 @@ def import_bridge() -> types.ModuleType:
     noisy = logging.getLogger("megatron.bridge.utils.import_utils")
     if _warnings_only not in noisy.filters:
         noisy.addFilter(_warnings_only)
-    import megatron.bridge
+    from ..rank.warmup import collector_paused
+
+    with collector_paused(), distributions_listed_once():
+        import megatron.bridge
 
     return megatron.bridge
+
+
+@contextlib.contextmanager
+def distributions_listed_once():
+    """transformers and diffusers (which nvidia-modelopt imports where it is installed) each call
+    `importlib.metadata.packages_distributions()` as they are imported: it reads the file list of
+    every installed distribution and looks at each file on it (44,641 in the test venv), about a
+    CPU-second each time on a 2-core machine. While this lasts, the second call gets a copy of the
+    first's answer; after it, the function is the standard library's again."""
+    real = importlib.metadata.packages_distributions
+    first = functools.cache(real)
+    importlib.metadata.packages_distributions = lambda: {k: list(v) for k, v in first().items()}
+    try:
+        yield
+    finally:
+        importlib.metadata.packages_distributions = real
+
+
+def _not_compiled(model: Any = None, **options: Any) -> Any:
+    """`torch.compile` as a decorator that leaves the function as it is (with or without options)."""
+    return model if model is not None else (lambda fn: fn)
+
+
+@contextlib.contextmanager
+def torch_compile_left_off():
+    """megatron-core's `jit_fuser` is `torch.compile`, which it applies at import to its fused kernels
+    (bias-GeLU, SwiGLU, ...): that imports torch's dynamo and inductor, 1.5 of megatron-core's 3.0
+    CPU-s of import on a 2-core machine (1 of bridge's 13). While this lasts, `torch.compile`
+    leaves functions as they are; only for a process that never runs those kernels, and that imports
+    megatron-core in here first: the dry run's rank (its config turns every fusion off), the
+    preflight's process and `--check` (they build a config and end)."""
+    import torch
+
+    compile_ = torch.compile
+    torch.compile = _not_compiled
+    try:
+        yield
+    finally:
+        torch.compile = compile_
 
 
 def adapt_model_without_te(model: Any) -> list[str]:

@@ -33,34 +33,20 @@ MEGATRON_MODULES = (
 )
 
 
-def _not_compiled(model: Any = None, **options: Any) -> Any:
-    """`torch.compile` as a decorator that leaves the function as it is (with or without options)."""
-    return model if model is not None else (lambda fn: fn)
-
-
 def import_megatron_core() -> None:
-    """megatron-core for this trainer, without what its import spends on `torch.compile`.
-
-    megatron-core's `jit_fuser` is `torch.compile`, which it applies at import to its fused kernels
-    (bias-GeLU, SwiGLU, ...): that imports torch's dynamo and inductor, about half of megatron-core's
-    import (1.5 of 3.0 CPU-s on a 2-core machine), for kernels this trainer never calls (its config
-    turns every fusion off, on CPU and GPU alike). So `torch.compile` leaves functions as they are
-    while these modules are imported, and is restored after: only in a process that imports
-    megatron-core here first, the dry run's own rank. Where megatron-core is already imported (a
-    warm spare, a warm pool, which any program may take) nothing changes."""
+    """megatron-core for this trainer, without what its import spends on `torch.compile` (its config
+    turns every fusion off, on CPU and GPU alike: compat.py `torch_compile_left_off`). Only in a
+    process that imports megatron-core here first, the dry run's own rank; where megatron-core is
+    already imported (a warm spare, a warm pool, which any program may take) nothing changes."""
     if "megatron.core" in sys.modules:
         return
     import importlib
 
-    import torch
+    from .compat import torch_compile_left_off
 
-    compile_ = torch.compile
-    torch.compile = _not_compiled
-    try:
+    with torch_compile_left_off():
         for name in MEGATRON_MODULES:
             importlib.import_module(name)
-    finally:
-        torch.compile = compile_
 
 
 def choose_layout(world: int, local_world: int) -> tuple[int, int, int]:
