@@ -185,6 +185,22 @@ class NodeForwarder:
             await asyncio.sleep(3600)
 
     @ray.method(concurrency_group=CONTROL)
+    async def exit_and_ship(
+        self, pids: list[int], grace_s: float, spools: list[tuple[Source, str]], marks: list[str | None]
+    ) -> list[tuple[float | None, bool, int | None]]:
+        """rank/spool.py `exit_and_ship`, from this process, already running on the ranks' node: a task
+        there would first wait for Ray to start a worker (about a second on a small machine, at the end
+        of every launch with a node beside the driver's). The wait runs in a thread: the ranks' output
+        and stop waits go on meanwhile."""
+        from .spool import exits_seen
+
+        ended = await asyncio.to_thread(exits_seen, pids, grace_s, marks)
+        if spools:
+            with contextlib.suppress(Exception):  # the sink is gone: the driver is going too
+                await self.ship(spools)
+        return ended
+
+    @ray.method(concurrency_group=CONTROL)
     async def wait_stop(self) -> None:
         """A rank's control thread waits here for the driver's stop (rank/capture.py)."""
         await self._stop.wait()

@@ -134,10 +134,21 @@ def unsent(spools: list[tuple[Source, str]], received: list[int], delete: bool) 
 def exit_and_ship(
     pids: list[int], grace_s: float, sink: Any, spools: list[tuple[Source, str]], marks: list[str | None]
 ) -> list[tuple[float | None, bool, int | None]]:
-    """On a node, after the program returned: watch the processes end (probes.wait_exited), then
-    ship what they printed on the way out (atexit handlers, non-daemon threads). For each process:
-    the seconds it took (None: killed after `grace_s`), whether it ended cleanly (its exit mark
-    written; True where it has none to write), and its exit status where it was seen exiting."""
+    """On a node, after the program returned: watch the processes end (`exits_seen`), then ship what
+    they printed on the way out (atexit handlers, non-daemon threads)."""
+    ended = exits_seen(pids, grace_s, marks)
+    if sink is not None and spools:
+        with contextlib.suppress(Exception):  # the sink is gone: the driver is going too
+            ship(sink, spools, delete=True)
+    return ended
+
+
+def exits_seen(
+    pids: list[int], grace_s: float, marks: list[str | None]
+) -> list[tuple[float | None, bool, int | None]]:
+    """Watch the processes end (probes.wait_exited); for each: the seconds it took (None: killed after
+    `grace_s`), whether it ended cleanly (its exit mark written, then removed; True where it has
+    none to write), and its exit status where it was seen exiting."""
     from .probes import wait_exited
 
     took, status = wait_exited(pids, grace_s)
@@ -147,7 +158,4 @@ def exit_and_ship(
         if mark is not None:
             with contextlib.suppress(OSError):
                 os.unlink(mark)
-    if sink is not None and spools:
-        with contextlib.suppress(Exception):  # the sink is gone: the driver is going too
-            ship(sink, spools, delete=True)
     return list(zip(took, clean, status, strict=True))

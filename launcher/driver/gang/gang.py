@@ -230,7 +230,8 @@ class RankGang:
         node; one still running after `grace_s` is killed and named (rank_ends.py)."""
         for a in self.actors:
             a.leave.remote()  # rank/actor.py: output to its spool from here, then exit
-        crashed = exit_gracefully(self.handles, self.ends.sink, self.ends.lingering, grace_s, self.stop)
+        crashed = exit_gracefully(self.handles, self.ends.sink, self.ends.lingering, grace_s, self.stop,
+                                  self.ends.forwarders())  # fmt: skip
         self.mark("exited")
         if crashed:
             raise RankFailedError(crashed, self.world_size)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Mapping
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from concurrent.futures import wait as wait_futures
@@ -57,6 +58,7 @@ def exit_gracefully(
     lingering: dict[int, list[str]],
     grace_s: float,
     stop: StopSignal,
+    forwarders: Mapping[str, Any] | None = None,
 ) -> list[RankFailure]:
     """Watch the processes of ranks told to exit (`handles`; `lingering`: what each returned rank's
     process still ran, to name in a kill) end as Python processes do (non-daemon threads
@@ -65,8 +67,10 @@ def exit_gracefully(
     the sink. Ctrl-C stops the wait. Returns the ranks whose process died on the way out (a crash in
     an exit handler, a signal, os._exit), each as a failure, as torchrun counts a worker's exit status.
 
-    The ranks on the driver's own node are watched from the driver, in a thread: a task there would
-    first wait for Ray to start a worker process, about a second on a small machine."""
+    The ranks on the driver's own node are watched from the driver, in a thread, those of another
+    node by its output forwarder (`forwarders`, by node id), and by a task there only where it has
+    none left: a task first waits for Ray to start a worker process, about a second on a small
+    machine (output/shipping.py `ship_from` chooses so too)."""
     by_node = ranks_by_node(handles)
     here = ray.get_runtime_context().get_node_id()
     task = ray.remote(exit_and_ship)
@@ -75,6 +79,8 @@ def exit_gracefully(
         args = ([h.report.pid for h in hs], grace_s, sink, spools_of(hs), [_mark(h) for h in hs])
         if node == here:
             watches[node] = in_thread(exit_and_ship, *args)
+        elif (forwarder := (forwarders or {}).get(node)) is not None:
+            watches[node] = forwarder.exit_and_ship.remote(args[0], grace_s, args[3], args[4])
         else:
             watches[node] = task.options(**on_node(node)).remote(*args)
     deadline = time.monotonic() + grace_s + 60

@@ -128,6 +128,11 @@ class RankEnds:
     def world_size(self) -> int:
         return len(self.handles)
 
+    def forwarders(self) -> dict[str, Any]:
+        """The nodes' output forwarders not found dead, by node id: what watches and ships on a node
+        without waiting for Ray to start a worker there."""
+        return self.ends.live_forwarders()
+
     def wait(self, refs: list, num_returns: int, timeout_s: float) -> tuple[list, list]:
         """The ranks' calls (their programs) ended so far, as `ray.wait` (driver/supervision/supervise.py)."""
         return ray.wait(refs, num_returns=num_returns, timeout=timeout_s)
@@ -239,7 +244,7 @@ class RankEnds:
         sink = self.sink
         if sink is None or not handle.spool:
             return None
-        return ship_from(handle.report.node_id, sink, spools_of([handle]), self.ends.live_forwarders())
+        return ship_from(handle.report.node_id, sink, spools_of([handle]), self.forwarders())
 
     def inspect_hang(self, idle_s: float) -> list[RankFailure]:
         """Every rank's state and stack, read by a task on its node; one failure per rank."""
@@ -279,7 +284,7 @@ class RankEnds:
         if sink is None or not handles:
             return
         rest = [h for h in handles if h.slot.rank not in salvaging and not lost.get(h.report.node_id)]
-        by_node, forwarders = ranks_by_node(tuple(rest)), self.ends.live_forwarders()
+        by_node, forwarders = ranks_by_node(tuple(rest)), self.forwarders()
         refs = [ship_from(node, sink, spools_of(hs), forwarders) for node, hs in by_node.items()]
         # nothing from a node found lost since: it would answer nothing
         on_lost = {h.slot.rank for h in handles if lost.get(h.report.node_id)}
