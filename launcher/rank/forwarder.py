@@ -201,6 +201,22 @@ class NodeForwarder:
         return ended
 
     @ray.method(concurrency_group=CONTROL)
+    async def exit_marked(self, mark: str) -> bool:
+        """rank/spool.py `exited_cleanly` on this node: whether a dead rank ended by `os._exit(0)`, asked
+        of this process rather than of a task that would first wait for a worker to start."""
+        from .spool import exited_cleanly
+
+        return exited_cleanly(mark)
+
+    @ray.method(concurrency_group=CONTROL)
+    async def inspect(self, pids: list[int]) -> list[dict[str, Any]]:
+        """rank/probes.py `inspect_processes` on this node (a hang's stacks), in a thread: the ranks'
+        output and stop waits go on meanwhile."""
+        from .probes import inspect_processes
+
+        return await asyncio.to_thread(inspect_processes, pids)
+
+    @ray.method(concurrency_group=CONTROL)
     async def wait_stop(self) -> None:
         """A rank's control thread waits here for the driver's stop (rank/capture.py)."""
         await self._stop.wait()

@@ -217,14 +217,17 @@ class RankEnds:
 
     def _exited_cleanly(self, h: RankHandle) -> bool:
         """Whether a rank whose process died left its exit mark on the way (rank/spool.py
-        `mark_os_exit_zero`): read by a task on its node; False where that cannot be told."""
+        `mark_os_exit_zero`): read on its node, by its output forwarder (a task where it has none);
+        False where that cannot be told."""
         if not h.spool or self._node_gone(h):
             return False
-        mark = exit_mark(h.spool)
-        if h.report.node_id == ray.get_runtime_context().get_node_id():
+        mark, node = exit_mark(h.spool), h.report.node_id
+        if node == ray.get_runtime_context().get_node_id():
             return exited_cleanly(mark)
         try:
-            task = ray.remote(exited_cleanly).options(**on_node(h.report.node_id))
+            if (forwarder := self.forwarders().get(node)) is not None:
+                return bool(ray.get(forwarder.exit_marked.remote(mark), timeout=10))
+            task = ray.remote(exited_cleanly).options(**on_node(node))
             return bool(ray.get(task.remote(mark), timeout=10))
         except (ray.exceptions.RayError, TimeoutError):
             return False
@@ -247,18 +250,20 @@ class RankEnds:
         return ship_from(handle.report.node_id, sink, spools_of([handle]), self.forwarders())
 
     def inspect_hang(self, idle_s: float) -> list[RankFailure]:
-        """Every rank's state and stack, read by a task on its node; one failure per rank."""
+        """Every rank's state and stack, read on its node by the node's output forwarder (a task where
+        it has none, which first waits for Ray to start a worker); one failure per rank."""
         from ...core.hang import group_stacks, hang_failures
         from ...rank.probes import inspect_processes
 
         handles = self.handles
         log.error("no output or progress from any rank for %.0fs: reading every rank's stack", idle_s)
-        by_node = ranks_by_node(handles)
+        by_node, forwarders = ranks_by_node(handles), self.forwarders()
         task = ray.remote(inspect_processes)
-        refs = {
-            node: task.options(**on_node(node)).remote([h.report.pid for h in hs])
-            for node, hs in by_node.items()
-        }
+        refs = {}
+        for node, hs in by_node.items():
+            pids = [h.report.pid for h in hs]
+            on = forwarders.get(node)
+            refs[node] = on.inspect.remote(pids) if on else task.options(**on_node(node)).remote(pids)
         seen: dict[int, dict[str, Any]] = {}
         ready = set(ray.wait(list(refs.values()), num_returns=len(refs), timeout=INSPECT_WAIT_S)[0])
         for node, ref in refs.items():
