@@ -16,7 +16,7 @@ import ray
 
 from ...core.outbatch import Source
 from ...core.topology import RankReport
-from ...rank.spool import ship, spool_files, spool_name
+from ...rank.spool import exited_cleanly, ship, spool_files, spool_name
 from ..gang.actors import on_node
 from ..gang.handle import RankHandle
 
@@ -42,6 +42,30 @@ def ship_from(
     if (forwarder := (forwarders or {}).get(node)) is not None:
         return forwarder.ship.remote(spools)
     return ray.remote(ship).options(**on_node(node)).remote(sink, spools, True)
+
+
+def read_exit_mark(node: str, mark: str, forwarders: Mapping[str, Any]) -> bool:
+    """rank/spool.py `exited_cleanly` of `mark` on `node`, chosen as `ship_from` chooses: here on the
+    driver's own node, else by the node's output forwarder, else by a task there; False where it
+    cannot be told within 10 s."""
+    if node == ray.get_runtime_context().get_node_id():
+        return exited_cleanly(mark)
+    try:
+        if (forwarder := forwarders.get(node)) is not None:
+            return bool(ray.get(forwarder.exit_marked.remote(mark), timeout=10))
+        return bool(ray.get(ray.remote(exited_cleanly).options(**on_node(node)).remote(mark), timeout=10))
+    except (ray.exceptions.RayError, TimeoutError):
+        return False
+
+
+def inspect_on(node: str, pids: list[int], forwarders: Mapping[str, Any]) -> Any:
+    """rank/probes.py `inspect_processes` (a hang's stacks) on `node`, by its output forwarder, else
+    by a task there (which first waits for Ray to start a worker); an ObjectRef."""
+    if (forwarder := forwarders.get(node)) is not None:
+        return forwarder.inspect.remote(pids)
+    from ...rank.probes import inspect_processes
+
+    return ray.remote(inspect_processes).options(**on_node(node)).remote(pids)
 
 
 def wait_shipped(pending: list[Any], timeout_s: float) -> set[Any]:

@@ -17,10 +17,10 @@ import ray
 from ...core.deaths import ProcessEnd, death_cause, describe_death, readable_tail
 from ...core.errors import FailureKind, RankFailedError, RankFailure
 from ...core.topology import RankSlot, format_rank_ranges
-from ...rank.spool import exit_mark, exited_cleanly
-from ..gang.actors import first_line, on_node
+from ...rank.spool import exit_mark
+from ..gang.actors import first_line
 from ..gang.handle import RankHandle, failure_site
-from ..output.shipping import ship_from, shipped, spools_of, wait_shipped
+from ..output.shipping import inspect_on, read_exit_mark, ship_from, shipped, spools_of, wait_shipped
 from .liveness import NodeProbes
 from .process_ends import EndsWatch, ranks_by_node
 
@@ -217,20 +217,10 @@ class RankEnds:
 
     def _exited_cleanly(self, h: RankHandle) -> bool:
         """Whether a rank whose process died left its exit mark on the way (rank/spool.py
-        `mark_os_exit_zero`): read on its node, by its output forwarder (a task where it has none);
-        False where that cannot be told."""
+        `mark_os_exit_zero`), read on its node; False where that cannot be told."""
         if not h.spool or self._node_gone(h):
             return False
-        mark, node = exit_mark(h.spool), h.report.node_id
-        if node == ray.get_runtime_context().get_node_id():
-            return exited_cleanly(mark)
-        try:
-            if (forwarder := self.forwarders().get(node)) is not None:
-                return bool(ray.get(forwarder.exit_marked.remote(mark), timeout=10))
-            task = ray.remote(exited_cleanly).options(**on_node(node))
-            return bool(ray.get(task.remote(mark), timeout=10))
-        except (ray.exceptions.RayError, TimeoutError):
-            return False
+        return read_exit_mark(h.report.node_id, exit_mark(h.spool), self.forwarders())
 
     def _died(self, h: RankHandle, ray_message: str) -> str:
         """What became of a rank whose process is gone: its node lost, or the process itself."""
@@ -253,17 +243,13 @@ class RankEnds:
         """Every rank's state and stack, read on its node by the node's output forwarder (a task where
         it has none, which first waits for Ray to start a worker); one failure per rank."""
         from ...core.hang import group_stacks, hang_failures
-        from ...rank.probes import inspect_processes
 
         handles = self.handles
         log.error("no output or progress from any rank for %.0fs: reading every rank's stack", idle_s)
         by_node, forwarders = ranks_by_node(handles), self.forwarders()
-        task = ray.remote(inspect_processes)
-        refs = {}
-        for node, hs in by_node.items():
-            pids = [h.report.pid for h in hs]
-            on = forwarders.get(node)
-            refs[node] = on.inspect.remote(pids) if on else task.options(**on_node(node)).remote(pids)
+        refs = {
+            node: inspect_on(node, [h.report.pid for h in hs], forwarders) for node, hs in by_node.items()
+        }
         seen: dict[int, dict[str, Any]] = {}
         ready = set(ray.wait(list(refs.values()), num_returns=len(refs), timeout=INSPECT_WAIT_S)[0])
         for node, ref in refs.items():
