@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -74,13 +73,11 @@ def main(argv: list[str] | None = None, *, exits_after: bool = False) -> int:
         spec = spec_from_args(argv, help_epilog=commands_help())
         if spec.check_only:
             from ..driver.lifecycle.stop import EarlyInterrupt
-            from ..megatron.compat import torch_compile_left_off
             from ..megatron.preflight import preflight
 
-            # a process that ends once checked runs no kernel; main() called from Python keeps its compiler
-            left_off = torch_compile_left_off() if exits_after else contextlib.nullcontext()
-            with EarlyInterrupt().installed() as early, left_off:
-                preflight(spec)
+            with EarlyInterrupt().installed() as early:
+                # a process that ends once checked runs no kernel; main() called from Python may
+                preflight(spec, kernels=not exits_after)
                 early.check()  # a Ctrl-C its imports swallowed
             return 0
         from ..driver.lifecycle.launch import (

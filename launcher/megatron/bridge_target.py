@@ -60,8 +60,11 @@ def recipe_function(recipe: Recipe):
         ) from None
 
 
-def build_config(recipe: Recipe, overrides: list[str], hf_path: str | None = None) -> tuple[Any, list[str]]:
-    """The recipe's ConfigContainer with the recipe file's overrides, then the command line's.
+def build_config(
+    recipe: Recipe, overrides: list[str], hf_path: str | None = None, kernels: bool = True
+) -> tuple[Any, list[str]]:
+    """The recipe's ConfigContainer with the recipe file's overrides, then the command line's
+    (`kernels` False: in a process that runs none, compat.py `import_bridge`).
 
     Returns the config and notes on what was adapted to this machine.
     """
@@ -72,7 +75,7 @@ def build_config(recipe: Recipe, overrides: list[str], hf_path: str | None = Non
             "pass --hf-path DIR (a folder with the model's config.json), or put it in the HF cache where "
             f"there is network (`huggingface-cli download {recipe.hf_model} config.json`) and set HF_HOME"
         )
-    compat.import_bridge()
+    compat.import_bridge(kernels)
     function = recipe_function(recipe)
     try:
         with _hf_model_from(recipe.hf_model, hf_path):

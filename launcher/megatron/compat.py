@@ -109,8 +109,10 @@ def _warnings_only(record: logging.LogRecord) -> bool:
     return record.levelno >= logging.WARNING
 
 
-def import_bridge() -> types.ModuleType:
-    """`import megatron.bridge`, with or without TransformerEngine."""
+def import_bridge(kernels: bool = True) -> types.ModuleType:
+    """`import megatron.bridge`, with or without TransformerEngine. `kernels` False: in a process
+    that only builds configs and ends (the preflight's own, a CLI `--check`), without torch's
+    compiler (`torch_compile_left_off`)."""
     if not te_installed() and not any(isinstance(f, _LoraFinder) for f in sys.meta_path):
         sys.meta_path.insert(0, _LoraFinder())
     # bridge logs every optional import it misses (TE's FP8 classes) with a traceback, at INFO, and
@@ -120,7 +122,8 @@ def import_bridge() -> types.ModuleType:
         noisy.addFilter(_warnings_only)
     from ..rank.warmup import collector_paused
 
-    with collector_paused(), distributions_listed_once():
+    left_off = contextlib.nullcontext() if kernels else torch_compile_left_off()
+    with collector_paused(), distributions_listed_once(), left_off:
         import megatron.bridge
 
     return megatron.bridge
@@ -154,7 +157,7 @@ def torch_compile_left_off():
     CPU-s of import on a 2-core machine (1 of bridge's 13). While this lasts, `torch.compile`
     leaves functions as they are; only for a process that never runs those kernels, and that imports
     megatron-core in here first: the dry run's rank (its config turns every fusion off), the
-    preflight's process and `--check` (they build a config and end)."""
+    preflight's process and a CLI `--check` (they build a config and end: `import_bridge`)."""
     import torch
 
     compile_ = torch.compile

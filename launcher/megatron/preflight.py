@@ -111,14 +111,15 @@ def no_gpu_visible() -> Iterator[None]:
             os.environ["CUDA_VISIBLE_DEVICES"] = saved
 
 
-def preflight(spec: LaunchSpec, hide_gpus: bool = True) -> Plan | None:
+def preflight(spec: LaunchSpec, hide_gpus: bool = True, kernels: bool = True) -> Plan | None:
     """`hide_gpus` False: in rank 0's own process (preflight_process.py `answer`), whose CUDA must
-    see its GPU when it first loads (the only context the preflight could make there is on it)."""
+    see its GPU when it first loads (the only context the preflight could make there is on it).
+    `kernels` False: in a process that ends once it has answered (compat.py `import_bridge`)."""
     with quiet_megatron(), no_gpu_visible() if hide_gpus else contextlib.nullcontext():
-        return _preflight(spec)
+        return _preflight(spec, kernels)
 
 
-def _preflight(spec: LaunchSpec) -> Plan | None:
+def _preflight(spec: LaunchSpec, kernels: bool) -> Plan | None:
     target = spec.target
     if target.recipe is None:
         return None
@@ -127,7 +128,8 @@ def _preflight(spec: LaunchSpec) -> Plan | None:
         from .bridge_target import build_config, copy_prebuilt
 
         args = (target.recipe, list(target.args), target.hf_path)
-        cfg, notes = copy_prebuilt(*args) or build_config(*args)  # built ahead: in rank 0's process
+        # a config built ahead is there in rank 0's process
+        cfg, notes = copy_prebuilt(*args) or build_config(*args, kernels)
     except ModuleNotFoundError as e:
         if spec.check_only:
             raise UsageError(

@@ -232,7 +232,7 @@ def answer(spec: LaunchSpec, in_rank: bool = False) -> tuple[Answer, Any, list[t
     log.setLevel(logging.INFO)
     log.propagate = False
     try:
-        return Answer.PLAN, preflight(spec, hide_gpus=not in_rank), handler.records
+        return Answer.PLAN, preflight(spec, hide_gpus=not in_rank, kernels=in_rank), handler.records
     except MegarayError as e:
         return Answer.REFUSED, e, handler.records
     except Exception:
@@ -249,10 +249,7 @@ def child(folder: str) -> int:
     gc.disable()
     with open(os.path.join(folder, "spec.pkl"), "rb") as f:
         spec: LaunchSpec = pickle.load(f)
-    from .compat import torch_compile_left_off
-
-    with torch_compile_left_off():  # this process runs no kernel: it answers and ends
-        verdict = answer(spec)
+    verdict = answer(spec)  # without torch's compiler: this process runs no kernel
     path = os.path.join(folder, "verdict.pkl")
     with open(path + ".tmp", "wb") as f:
         pickle.dump(verdict, f)
