@@ -563,7 +563,7 @@ TASKS.update({"exit_and_ship": _exit_and_ship, "ship": _ship})
 # what a node's forwarder does to the node's rank processes (rank/forwarder.py), faked as the tasks
 # are: a SimRank's pid is made up, and may be another process's on this machine
 ON_NODE: dict[str, Callable[..., Any]] = {
-    "exit_and_ship": lambda pids, grace_s, spools, marks: [(0.01, True, 0)] * len(pids),
+    "exit_and_ship": lambda pids, grace_s, spools, marks: _exit_and_ship(pids, grace_s, None, spools, marks),
     "exit_marked": lambda mark: False,
     "inspect": lambda pids: [{"pid": p, "state": "gone", "stack": None, "how": None} for p in pids],
 }

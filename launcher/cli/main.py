@@ -76,7 +76,8 @@ def main(argv: list[str] | None = None, *, exits_after: bool = False) -> int:
             from ..megatron.preflight import preflight
 
             with EarlyInterrupt().installed() as early:
-                # a process that ends once checked runs no kernel; main() called from Python may
+                # a process that ends once checked runs no kernel; main() called from Python may train
+                # in its process afterwards, and keeps torch's compiler
                 preflight(spec, kernels=not exits_after)
                 early.check()  # a Ctrl-C its imports swallowed
             return 0

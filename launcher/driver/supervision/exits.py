@@ -58,7 +58,7 @@ def exit_gracefully(
     lingering: dict[int, list[str]],
     grace_s: float,
     stop: StopSignal,
-    forwarders: Mapping[str, Any] | None = None,
+    forwarders: Mapping[str, Any],
 ) -> list[RankFailure]:
     """Watch the processes of ranks told to exit (`handles`; `lingering`: what each returned rank's
     process still ran, to name in a kill) end as Python processes do (non-daemon threads
@@ -79,7 +79,7 @@ def exit_gracefully(
         pids, spools, marks = [h.report.pid for h in hs], spools_of(hs), [_mark(h) for h in hs]
         if node == here:
             watches[node] = in_thread(exit_and_ship, pids, grace_s, sink, spools, marks)
-        elif (forwarder := (forwarders or {}).get(node)) is not None:
+        elif (forwarder := forwarders.get(node)) is not None:
             watches[node] = forwarder.exit_and_ship.remote(pids, grace_s, spools, marks)
         else:
             watches[node] = task.options(**on_node(node)).remote(pids, grace_s, sink, spools, marks)
