@@ -309,8 +309,27 @@ def test_warm_spares_run_the_next_attempt_in_the_process_torchrun_gives(tmp_path
 
 
 OUTLIVED = Path(__file__).resolve().parent / "outlived.py"
+# It writes what the Ray it runs on runs beside its raylet: the command lines of the raylet's parent's
+# children (a Ray started by `ray.init` in the driver: the GCS, the raylet, Ray's monitors if started).
 RUNS_UNTIL_STOPPED = """
 import os, sys, time
+def parent(pid):
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+raylet = os.getpid()
+while open(f"/proc/{raylet}/comm").read().strip() != "raylet":
+    raylet = parent(raylet)
+driver = parent(raylet)
+beside = []
+for entry in filter(str.isdigit, os.listdir("/proc")):
+    try:
+        if parent(entry) == driver:
+            with open(f"/proc/{entry}/cmdline") as f:
+                beside.append(f.read().replace(chr(0), " "))
+    except OSError:
+        pass
+with open(os.path.join(sys.argv[1], f"beside-{os.environ['RANK']}"), "w") as f:
+    f.write(chr(10).join(beside))
 open(os.path.join(sys.argv[1], f"running-{os.environ['RANK']}"), "w").close()
 time.sleep(600)
 """
@@ -361,6 +380,11 @@ def test_a_ray_started_for_the_launch_is_stopped_with_every_process_it_started(t
                           term_once=out / "running-1", python=python)  # fmt: skip
     assert ended == {"rc": 143, "left": []}, err[-3000:]
     assert "starting a local Ray for this run" in err and "interrupted by SIGTERM" in err, err[-3000:]
+    # a Ray private to the launch, whose ranks' output megaray collects: neither Ray's autoscaler
+    # monitor (nothing to scale) nor its log monitor (nobody reads what it tails) runs beside its raylet
+    beside = (out / "beside-1").read_text()  # written before running-1
+    assert "raylet" in beside and "gcs_server" in beside, beside
+    assert "monitor.py" not in beside, beside  # autoscaler/_private/monitor.py, _private/log_monitor.py
     two_nodes = ("--device", "cpu", "--nodes", "2", "--gpus-per-node", "1")  # simulated, a program to its end
     ended, err = outlived(tmp_path, *two_nodes, str(PROBE), str(out), python=python)
     assert ended == {"rc": 0, "left": []}, err[-3000:]

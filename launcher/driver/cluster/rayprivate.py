@@ -90,6 +90,35 @@ def api_server_beside_raylet() -> Iterator[None]:
         Node.start_api_server, Node.start_ray_processes = own_api, own_processes
 
 
+@contextlib.contextmanager
+def without_monitors(*, log_monitor: bool) -> Iterator[None]:
+    """A Ray started in this process for one launch (`ray.init(address="local")`) without the head's
+    autoscaler monitor, and without its log monitor unless `log_monitor`: a Ray private to one launch
+    has nothing to scale (`stop_monitor` killed it at the end already), and a launch that collects its
+    ranks' output itself has no use for Ray's tailing of every worker's log files. Each is a Python
+    process whose start shares the cores with the raylet's and the ranks' (1.2-1.5 CPU-s of a 2-rank
+    launch's 7.2 on 2 cores, measured together), and the log monitor keeps polling while the ranks run.
+    `ray.init` passes neither option to its node (a simulated cluster's head takes them as arguments:
+    cluster.py `_simulate`). Should an upgrade move these methods, Ray starts them as before."""
+    try:
+        from ray._private.node import Node
+    except ImportError:  # pragma: no cover - a Ray without it starts as it always did
+        yield
+        return
+    own_monitor = getattr(Node, "start_monitor", None)
+    own_log_monitor = getattr(Node, "start_log_monitor", None)
+    if own_monitor is None or own_log_monitor is None:  # pragma: no cover - the same
+        yield
+        return
+    Node.start_monitor = lambda node: None
+    if not log_monitor:
+        Node.start_log_monitor = lambda node: None
+    try:
+        yield
+    finally:
+        Node.start_monitor, Node.start_log_monitor = own_monitor, own_log_monitor
+
+
 # -- what Ray's job table shows of this driver ----------------------------------------------------
 @contextlib.contextmanager
 def entrypoint_shown_as(argv: list[str]) -> Iterator[None]:
