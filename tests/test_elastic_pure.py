@@ -20,6 +20,7 @@ from launcher.core.elastic import (
 )
 from launcher.core.errors import UsageError
 from launcher.core.launch_args import spec_from_args
+from launcher.core.placing import PlaceGoal
 from launcher.driver.supervision.evict import EvictWatch
 from launcher.driver.supervision.stragglers import StragglerWatch
 
@@ -210,3 +211,16 @@ def test_a_slow_rank_not_dropped_is_told_once_what_it_costs_and_what_would_fix_i
         "a rank on node 10.0.0.2 (b) has been slow for 60s and a checkpoint was saved since: "
         "dropping its node"
     )
+
+
+def test_a_relaunch_goes_on_once_every_node_that_could_hold_a_group_holds_one():
+    """`--nodes 2:3` on 3 nodes, one lost (or dropped as slow): a relaunch asks for 3, 2 could be
+    placed, and it goes on with 2 once they are, not after the settle time; a first launch waits for
+    the third until its settle time (a node started by hand may join)."""
+    relaunch = PlaceGoal.of(asked=3, at_least=2, fit=2, settle=105.0, deadline=160.0, again=True)
+    assert relaunch.met(2, now=100.0) and not relaunch.met(1, now=104.0)
+    assert not relaunch.met(1, now=160.0)  # fewer than MIN is never enough: the deadline fails it
+    first = PlaceGoal.of(asked=3, at_least=2, fit=2, settle=160.0, deadline=160.0, again=False)
+    assert not first.met(2, now=100.0) and first.met(2, now=160.0) and first.met(3, now=100.0)
+    # a node more than the groups asked could hold one: the goal is what was asked
+    assert PlaceGoal.of(asked=2, at_least=2, fit=5, settle=1.0, deadline=2.0, again=True).at_once == 2

@@ -10,7 +10,7 @@ import pytest
 from launcher.cli import main
 from launcher.core.deaths import death_cause, describe_death, readable_tail
 from launcher.core.errors import RankFailedError, RankFailure
-from launcher.driver.gang.placement import nodes_that_fit, without_autoscaler
+from launcher.core.placing import nodes_that_fit, without_autoscaler
 
 
 def test_root_cause_is_the_earliest_failure_and_the_report_shows_its_traceback():

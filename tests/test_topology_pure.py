@@ -83,7 +83,7 @@ def test_port_candidates_depend_on_the_job_and_avoid_the_ephemeral_range():
 
 
 def test_groups_sharing_a_node_are_all_found_in_one_pass():
-    from launcher.driver.gang.placement import sort_out
+    from launcher.core.placing import sort_out
 
     assert sort_out(set(), [(0, "a"), (1, "b"), (2, "c")]) == ([0, 1, 2], [])
     # placed again together, in one round: on a node held before, or by an earlier one of these

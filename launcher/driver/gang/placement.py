@@ -7,7 +7,6 @@ import dataclasses
 import logging
 import re
 import time
-from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 
 import ray
@@ -20,6 +19,7 @@ from ray.util.placement_group import (
 
 from ...core.elastic import NodeRange
 from ...core.errors import ResourceError, UsageError
+from ...core.placing import PlaceGoal, feasibility_problem, nodes_that_fit, sort_out, without_autoscaler
 from ...core.spec import LaunchSpec
 from ...core.topology import NodeSlot
 from ..cluster import rayprivate
@@ -37,11 +37,6 @@ def bundle_for(spec: LaunchSpec) -> dict[str, float]:
     if spec.cpus_per_rank > 0:
         bundle["CPU"] = spec.cpus_per_rank
     return bundle
-
-
-def nodes_that_fit(totals: Mapping[str, Mapping[str, float]], bundle: Mapping[str, float], count: int) -> int:
-    """How many nodes could hold one whole group (`count` bundles) if they were empty."""
-    return sum(all(res.get(k, 0) >= v * count for k, v in bundle.items()) for res in totals.values())
 
 
 def describe_request(spec: LaunchSpec, wanted: NodeRange | None = None) -> str:
@@ -87,14 +82,6 @@ def nodes_that_could_fit(spec: LaunchSpec, exclude: tuple[str, ...] = ()) -> int
     """How many of the cluster's nodes (but `exclude`) could hold one of the launch's groups, empty."""
     totals = {k: v for k, v in rayprivate.total_resources_per_node().items() if k not in exclude}
     return nodes_that_fit(totals, bundle_for(spec), spec.gpus_per_node)
-
-
-def feasibility_problem(fit: int, needed: int) -> str | None:
-    """A message when the cluster as it stands (`fit` nodes could hold a group) could never hold the
-    `needed` groups, else None."""
-    if fit >= needed:
-        return None
-    return f"only {fit} node(s) of the cluster can hold one group"
 
 
 def groups_of_job(job: str) -> list[str]:
@@ -158,16 +145,6 @@ def create_group(
         bundle_label_selector=selector,
         lifetime="detached" if detached else None,
     )
-
-
-def without_autoscaler(status: Mapping | None) -> bool | None:
-    """Whether Ray's autoscaler status (the head's monitor writes it) says no node can come by itself:
-    with no autoscaling config the monitor runs read-only and gives every node a type of its own,
-    `node_<node id>`. None when there is no status to tell (autoscaler v2, an old head)."""
-    mapping = ((status or {}).get("autoscaler_report") or {}).get("node_type_mapping")
-    if not mapping:
-        return None
-    return all(kind == f"node_{node_id}" for node_id, kind in mapping.items())
 
 
 def cluster_cannot_grow() -> bool:
@@ -243,8 +220,9 @@ def place_groups(
     settle = deadline if settle_s is None else min(deadline, time.monotonic() + settle_s)
     groups = create_groups(spec, name, detached, exclude)
     at_least = wanted.min if wanted.elastic else asked
+    goal = PlaceGoal.of(asked, at_least, fit, settle, deadline, again=settle_s is not None)
     try:
-        placed = _place_enough(spec, name, groups, at_least, settle, deadline, stop, detached, exclude)
+        placed = _place_enough(spec, name, groups, goal, stop, detached, exclude)
     except _NotPlaced as e:
         remove_groups(groups)
         why = f"not placed within {waits:g}s on {at_least} distinct nodes{describe_lost(exclude)}"
@@ -265,24 +243,24 @@ class _NotPlaced(Exception):
 
 
 def _place_enough(
-    spec: LaunchSpec, name: str, groups: list[PlacementGroup], at_least: int, settle: float, deadline: float,
-    stop: StopSignal, detached: bool, exclude: tuple[str, ...],
+    spec: LaunchSpec, name: str, groups: list[PlacementGroup], goal: PlaceGoal, stop: StopSignal,
+    detached: bool, exclude: tuple[str, ...],
 ) -> set[int]:  # fmt: skip
-    """The indexes of the groups placed on distinct nodes: all of them, or at least `at_least` once
-    `settle` has passed; `_NotPlaced` at `deadline`. A group that lands on a node an earlier one holds
-    is placed again (`groups[i]` replaced), away from every node held."""
+    """The indexes of the groups placed on distinct nodes, once `goal` is met; `_NotPlaced` at its
+    deadline. A group that lands on a node an earlier one holds is placed again (`groups[i]`
+    replaced), away from every node held."""
     refs = [g.ready() for g in groups]
     placed: set[int] = set()
     while True:
         pending = [i for i in range(len(groups)) if i not in placed]
         now = time.monotonic()
-        enough = len(placed) >= at_least
-        if not pending or (enough and now >= settle):
+        if not pending or goal.met(len(placed), now):
             return placed
-        if now >= deadline:
+        if now >= goal.deadline:
             raise _NotPlaced(len(placed))
-        until = settle if enough else deadline
-        ready = set(wait_all([refs[i] for i in pending], max(0.0, min(until - now, 1.0)), stop))
+        until = goal.settle if len(placed) >= goal.at_least else goal.deadline
+        # a quarter of a second at a time: a group placed is seen at once, not when all are
+        ready = set(wait_all([refs[i] for i in pending], max(0.0, min(until - now, 0.25)), stop))
         newly = [i for i in pending if refs[i] in ready]
         if not newly:
             continue
@@ -305,16 +283,6 @@ def nodes_of(groups: list[PlacementGroup]) -> list[str]:
         return [placement_group_table(groups[0])["bundles_to_node_id"][0]]
     table = placement_group_table()
     return [table[g.id.hex()]["bundles_to_node_id"][0] for g in groups]
-
-
-def sort_out(held: set[str], newly: list[tuple[int, str]]) -> tuple[list[int], list[int]]:
-    """Of groups just placed, (index, node) in order: those on a node no group holds (kept), and those
-    on a node held already, by an earlier group or one of these (to be placed again, together)."""
-    seen, kept, again = set(held), [], []
-    for i, node in newly:
-        (again if node in seen else kept).append(i)
-        seen.add(node)
-    return kept, again
 
 
 def resolve_nodes(groups: list[PlacementGroup]) -> list[NodeSlot]:

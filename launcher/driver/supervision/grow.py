@@ -10,9 +10,10 @@ import time
 from collections.abc import Callable
 
 from ...core.elastic import GrowTo, ScalingPolicy
+from ...core.placing import nodes_that_fit
 from ...core.spec import LaunchSpec
 from ..cluster import rayprivate
-from ..gang.placement import bundle_for, nodes_that_fit
+from ..gang.placement import bundle_for
 from .rank_ends import node_lost
 
 log = logging.getLogger("megaray")
