@@ -381,10 +381,12 @@ def test_a_ray_started_for_the_launch_is_stopped_with_every_process_it_started(t
     assert ended == {"rc": 143, "left": []}, err[-3000:]
     assert "starting a local Ray for this run" in err and "interrupted by SIGTERM" in err, err[-3000:]
     # a Ray private to the launch, whose ranks' output megaray collects: neither Ray's autoscaler
-    # monitor (nothing to scale) nor its log monitor (nobody reads what it tails) runs beside its raylet
+    # monitor (nothing to scale), its log monitor (nobody reads what it tails) nor its API server (its
+    # usage-stats reporter) runs beside its raylet
     beside = (out / "beside-1").read_text()  # written before running-1
     assert "raylet" in beside and "gcs_server" in beside, beside
     assert "monitor.py" not in beside, beside  # autoscaler/_private/monitor.py, _private/log_monitor.py
+    assert "dashboard.py" not in beside, beside
     two_nodes = ("--device", "cpu", "--nodes", "2", "--gpus-per-node", "1")  # simulated, a program to its end
     ended, err = outlived(tmp_path, *two_nodes, str(PROBE), str(out), python=python)
     assert ended == {"rc": 0, "left": []}, err[-3000:]

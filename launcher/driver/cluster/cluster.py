@@ -150,8 +150,12 @@ def connect(spec: LaunchSpec, *, exits_after: bool = False) -> Iterator[Cluster]
             # the exact launch a cluster will get, its nodes simulated here: NODE_RANK, GROUP_RANK and
             # cross-node collectives over gloo can be tried on a laptop
             attached = False
-            with node_environment(), rayprivate.api_server_beside_raylet(), _started_in_time():
-                sim = _simulate(spec, log_monitor=streams)
+            with (
+                node_environment(),
+                rayprivate.only_what_one_launch_uses(log_monitor=streams),
+                _started_in_time(),
+            ):
+                sim = _simulate(spec)
             _init(address=sim.address, log_to_driver=streams)
             cluster = Cluster(address=sim.address, fixed_size=True)
         else:
@@ -167,8 +171,7 @@ def connect(spec: LaunchSpec, *, exits_after: bool = False) -> Iterator[Cluster]
             )
             with (
                 node_environment(),
-                rayprivate.api_server_beside_raylet(),
-                rayprivate.without_monitors(log_monitor=streams),
+                rayprivate.only_what_one_launch_uses(log_monitor=streams),
                 _started_in_time(),
             ):
                 _init(address="local", include_dashboard=False, num_cpus=cpus, log_to_driver=streams)
@@ -272,10 +275,8 @@ def quiet_raylet(on: bool) -> None:
 SIMULATED_NODE = {"include_log_monitor": False}
 
 
-def _simulate(spec: LaunchSpec, *, log_monitor: bool):
-    """N local raylets with declared GPUs: the whole multi-node path on one machine. Its head without
-    the autoscaler's monitor (nothing to scale), and without the log monitor unless `log_monitor`
-    (a launch that collects its ranks' output itself: rayprivate.without_monitors says what each costs)."""
+def _simulate(spec: LaunchSpec):
+    """N local raylets with declared GPUs: the whole multi-node path on one machine."""
     from ray.cluster_utils import Cluster as RayCluster
 
     per_node = {
@@ -289,8 +290,7 @@ def _simulate(spec: LaunchSpec, *, log_monitor: bool):
         "declared GPUs" if spec.uses_gpus else "CPU ranks",
     )
     logging.getLogger("ray._private.utils").setLevel(logging.WARNING)  # "Overwriting previous Ray address"
-    head = {"include_dashboard": False, "no_monitor": True, "include_log_monitor": log_monitor}
-    sim = RayCluster(initialize_head=True, head_node_args={**per_node, **head})
+    sim = RayCluster(initialize_head=True, head_node_args={**per_node, "include_dashboard": False})
     for _ in range(spec.nodes - 1):
         sim.add_node(**per_node, **SIMULATED_NODE)
     sim.wait_for_nodes()

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import subprocess
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,99 +23,34 @@ def local_gpu_count() -> int:
 
 # -- starting a Ray here ------------------------------------------------------------------------------
 @contextlib.contextmanager
-def api_server_beside_raylet() -> Iterator[None]:
-    """A Ray started in this process (`ray.init(address="local")`, a simulated cluster's head) starts
-    its API server and waits for it to publish its address before it starts the raylet, which then
-    waits for its own agents: one Python process's start after another. Here the wait for the API
-    server runs in a thread while the raylet starts, and `ray.init` still returns only after both.
-
-    The API server of a Ray started with `include_dashboard=False` loads one module (usage stats);
-    nothing asks for its address before the raylet is up (the raylet's `--webui`, which is empty
-    with include_dashboard=False anyway, is not known yet then). Measured on 2 cores: `ray.init`
-    6.4-6.9 s -> 5.5-6.7 s; on a GPU node's 16 cores the API server's start (1.2-2.5 s) comes off
-    the path whole. Ray has no option to order or skip its head processes. Should an upgrade move
-    these methods, Ray starts as before. A full dashboard (`include_dashboard=True`, the tests'
-    clusters) is started in Ray's order: started beside the raylet, its state API did not answer
-    after `ray.init` returned (tried on 2 cores)."""
-    try:
-        from ray._private.node import Node
-        from ray._private.utils import get_dashboard_dependency_error
-    except ImportError:  # pragma: no cover - a Ray without it starts as it always did
-        yield
-        return
-    own_api = getattr(Node, "start_api_server", None)
-    own_processes = getattr(Node, "start_ray_processes", None)
-    if own_api is None or own_processes is None:  # pragma: no cover - the same
-        yield
-        return
-    starting: dict[int, tuple[threading.Thread, list[BaseException]]] = {}
-
-    def start_api_server(node: Any, **kwargs: Any) -> None:
-        # Ray decides whether its install is minimal (no dashboard modules) by importing them: once
-        # for the API server, once for the raylet's agent command. Asked in two threads at once, the
-        # second import can find the first's module half made and take the install for a full one;
-        # the agent, started without `--minimal`, dies on its first missing import and the raylet
-        # never registers (seen on a GPU node with aiohttp but not aiohttp_cors). Asked here first,
-        # both later answers are the same.
-        get_dashboard_dependency_error()
-        if kwargs.get("include_dashboard"):  # the full dashboard keeps Ray's order (see above)
-            own_api(node, **kwargs)
-            return
-        failed: list[BaseException] = []
-
-        def start() -> None:
-            try:
-                own_api(node, **kwargs)
-            except BaseException as e:  # raised where Ray would have raised it: after the raylet
-                failed.append(e)
-
-        t = threading.Thread(target=start, name="megaray-ray-api-server", daemon=True)
-        starting[id(node)] = (t, failed)
-        t.start()
-
-    def start_ray_processes(node: Any) -> None:
-        try:
-            own_processes(node)
-        finally:
-            if (entry := starting.pop(id(node), None)) is not None:
-                entry[0].join()
-                if entry[1]:
-                    raise entry[1][0]
-
-    Node.start_api_server, Node.start_ray_processes = start_api_server, start_ray_processes
-    try:
-        yield
-    finally:
-        Node.start_api_server, Node.start_ray_processes = own_api, own_processes
-
-
-@contextlib.contextmanager
-def without_monitors(*, log_monitor: bool) -> Iterator[None]:
-    """A Ray started in this process for one launch (`ray.init(address="local")`) without the head's
-    autoscaler monitor, and without its log monitor unless `log_monitor`: a Ray private to one launch
-    has nothing to scale (`stop_monitor` killed it at the end already), and a launch that collects its
-    ranks' output itself has no use for Ray's tailing of every worker's log files. Each is a Python
-    process whose start shares the cores with the raylet's and the ranks' (1.2-1.5 CPU-s of a 2-rank
-    launch's 7.2 on 2 cores, measured together), and the log monitor keeps polling while the ranks run.
-    `ray.init` passes neither option to its node (a simulated cluster's head takes them as arguments:
-    cluster.py `_simulate`). Should an upgrade move these methods, Ray starts them as before."""
+def only_what_one_launch_uses(*, log_monitor: bool) -> Iterator[None]:
+    """A Ray started in this process for one launch (`ray.init(address="local")`, a simulated
+    cluster's nodes) without the head's processes such a Ray has no use for: the autoscaler's monitor
+    (nothing to scale: `stop_monitor` killed it at the end before), the API server (with
+    `include_dashboard=False` it loads Ray's usage-stats reporter alone; megaray asks a Ray it started
+    nothing through it), and, unless `log_monitor`, the log monitor (a launch that collects its ranks'
+    output itself never reads what it tails from every worker's log files). Each is a Python process
+    whose start shares the cores with the raylet's and the ranks' (on 2 cores, a 2-rank launch's
+    7.2 CPU-s came to 5.0-5.5 without the three), and the log monitor polls while the ranks run.
+    `ray.init` passes none of these options to its node. Should an upgrade move these methods, Ray
+    starts them as before."""
     try:
         from ray._private.node import Node
     except ImportError:  # pragma: no cover - a Ray without it starts as it always did
         yield
         return
-    own_monitor = getattr(Node, "start_monitor", None)
-    own_log_monitor = getattr(Node, "start_log_monitor", None)
-    if own_monitor is None or own_log_monitor is None:  # pragma: no cover - the same
+    names = ["start_monitor", "start_api_server", *(() if log_monitor else ("start_log_monitor",))]
+    own = {name: getattr(Node, name, None) for name in names}
+    if None in own.values():  # pragma: no cover - the same
         yield
         return
-    Node.start_monitor = lambda node: None
-    if not log_monitor:
-        Node.start_log_monitor = lambda node: None
+    for name in names:
+        setattr(Node, name, lambda node, **_: None)
     try:
         yield
     finally:
-        Node.start_monitor, Node.start_log_monitor = own_monitor, own_log_monitor
+        for name, method in own.items():
+            setattr(Node, name, method)
 
 
 # -- what Ray's job table shows of this driver ----------------------------------------------------
