@@ -124,6 +124,8 @@ def connect(spec: LaunchSpec, *, exits_after: bool = False) -> Iterator[Cluster]
         ctx = ray.get_runtime_context()
         yield Cluster(address=ctx.gcs_address, fixed_size=False)
         return
+    if exits_after:  # megaray's own process: Ray's serializers for third-party types unused
+        rayprivate.serializers_only_where_imported()
     sim = None
     attached = True  # to a cluster megaray did not start for this run
     # A launch collects its ranks' output itself (driver/output/relay.py): Ray's own streaming would only add
