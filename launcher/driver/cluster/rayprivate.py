@@ -53,38 +53,6 @@ def only_what_one_launch_uses(*, log_monitor: bool) -> Iterator[None]:
             setattr(Node, name, method)
 
 
-# -- the process's serialization ---------------------------------------------------------------------
-ADDON_LIBRARIES = ("pyarrow", "pydantic", "starlette")  # what ray.util.serialization_addons serves
-
-
-def serializers_only_where_imported() -> None:
-    """Ray builds a process's serialization context at its first remote call, and registers its
-    serializers for third-party types in it (Arrow tables for Ray Data, pydantic's fields, starlette's
-    state), importing those libraries to do so wherever they are installed (Megatron-Bridge's stack
-    installs all three): pyarrow with numpy 0.13 CPU-s, pydantic's v1 fields more, 0.4-0.5 s of a
-    2-core machine's wall inside the driver's first placement call, on the way to every rank's start.
-    Here they are registered only where one of those libraries is imported already. Only in megaray's
-    own command-line process (cli/main.py `entry`), which sends Ray none of those types: a Python
-    process that launches (a notebook that also uses Ray Data) keeps Ray's way. Ray has no option for
-    it; should an upgrade move it, the context is built as before."""
-    import sys
-
-    try:
-        from ray.util import serialization_addons
-    except ImportError:  # pragma: no cover - a Ray without it
-        return
-    own = getattr(serialization_addons, "apply", None)
-    if own is None or getattr(own, "only_where_imported", False):
-        return
-
-    def apply(context: Any) -> None:
-        if any(name in sys.modules for name in ADDON_LIBRARIES):
-            own(context)
-
-    apply.only_where_imported = True  # type: ignore[attr-defined]
-    serialization_addons.apply = apply
-
-
 # -- what Ray's job table shows of this driver ----------------------------------------------------
 @contextlib.contextmanager
 def entrypoint_shown_as(argv: list[str]) -> Iterator[None]:
