@@ -32,9 +32,21 @@ def _write(name: str, data: dict) -> None:
 
 
 def dump_env():
-    """Record the env contract, what Ray assigned, and that torch was not imported before us."""
+    """Record the env contract, what Ray assigned, and which heavy libraries were imported before us
+    (torch, pyarrow, pydantic: none). Rank 0 then imports pyarrow and records whether Ray's serializer
+    for its tables is registered in this process, as Ray registers it (rank/serialization.py)."""
     import ray
 
+    preloaded = sorted(m for m in ("torch", "pyarrow", "pydantic") if m in sys.modules)
+    arrow_registered = None
+    if os.environ["RANK"] == "0":
+        from importlib.util import find_spec
+
+        if find_spec("pyarrow") is not None:
+            import pyarrow
+            from ray import cloudpickle
+
+            arrow_registered = pyarrow.Table in cloudpickle.CloudPickler.dispatch
     _write(
         "env",
         {
@@ -42,7 +54,8 @@ def dump_env():
             "ray_gpu_ids": [str(g) for g in ray.get_runtime_context().get_accelerator_ids().get("GPU", [])],
             "node_id": ray.get_runtime_context().get_node_id(),
             "argv": sys.argv,
-            "torch_preloaded": "torch" in sys.modules,
+            "preloaded": preloaded,
+            "arrow_registered": arrow_registered,
             "pid": os.getpid(),
             "cwd": os.getcwd(),
         },

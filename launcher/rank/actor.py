@@ -41,7 +41,11 @@ from .probes import (
     inherited_env,
     interface_of,
 )
+from .serialization import in_a_ray_worker, serializers_when_imported
 from .spool import exit_mark, log_dir, mark_exit, mark_os_exit_zero, oom_kills
+
+if in_a_ray_worker():  # a rank's process, taking its class before its first arguments
+    serializers_when_imported()
 
 _THIS_FILE = str(Path(__file__).resolve())
 # the frames before the target's (runpy is frozen in Python 3.12)

@@ -25,12 +25,12 @@ from ..core.metrics import KEEP_EVERY_S, RankLabels
 from ..core.outbatch import MIN_EVERY_S, Held, OutputBatch, Source, batch_bytes, send_every
 from ..core.straggler import Sample
 from .metrics import RankMetrics
-from .serialization import in_a_ray_worker, serializers_only_where_imported
+from .serialization import in_a_ray_worker, serializers_when_imported
 
 log = logging.getLogger("megaray")
 
 if in_a_ray_worker():  # a forwarder's process, taking its class before its first arguments
-    serializers_only_where_imported()
+    serializers_when_imported()
 
 CONTROL = "control"  # the concurrency group of the stop waits: the default group stays free for output
 CONTROL_SLOTS = 1024  # ranks of one node waiting for a stop at once, and the driver's stop

@@ -19,7 +19,7 @@ from ...core.rankenv import redact_argv
 from ...core.spec import RAY_NAMESPACE, LaunchSpec
 from ...core.topology import RankReport, local_gpus_problem, local_ranks_problem
 from ...core.versions import python_version
-from ...rank.serialization import serializers_only_where_imported
+from ...rank.serialization import serializers_when_imported
 from ..lifecycle.registry import runner_for
 from ..output.held_stderr import HeldStderr
 from . import rayprivate, up
@@ -125,8 +125,7 @@ def connect(spec: LaunchSpec, *, exits_after: bool = False) -> Iterator[Cluster]
         ctx = ray.get_runtime_context()
         yield Cluster(address=ctx.gcs_address, fixed_size=False)
         return
-    if exits_after:  # megaray's own process: Ray's serializers for third-party types unused
-        serializers_only_where_imported()
+    serializers_when_imported()  # before this process's serialization context is built
     sim = None
     attached = True  # to a cluster megaray did not start for this run
     # A launch collects its ranks' output itself (driver/output/relay.py): Ray's own streaming would only add
