@@ -330,6 +330,8 @@ for entry in filter(str.isdigit, os.listdir("/proc")):
         pass
 with open(os.path.join(sys.argv[1], f"beside-{os.environ['RANK']}"), "w") as f:
     f.write(chr(10).join(beside))
+with open(f"/proc/{raylet}/cmdline") as src, open(os.path.join(sys.argv[1], "raylet"), "w") as f:
+    f.write(src.read().replace(chr(0), " "))
 open(os.path.join(sys.argv[1], f"running-{os.environ['RANK']}"), "w").close()
 time.sleep(600)
 """
@@ -387,6 +389,9 @@ def test_a_ray_started_for_the_launch_is_stopped_with_every_process_it_started(t
     assert "raylet" in beside and "gcs_server" in beside, beside
     assert "monitor.py" not in beside, beside  # autoscaler/_private/monitor.py, _private/log_monitor.py
     assert "dashboard.py" not in beside, beside
+    # its raylet's dashboard agent takes any free port, not Ray's default, which another Ray on the
+    # machine may hold (the agent then retried it for 3.4 s, a launch of 4 s took 8)
+    assert "--listen-port=0 " in (out / "raylet").read_text()
     two_nodes = ("--device", "cpu", "--nodes", "2", "--gpus-per-node", "1")  # simulated, a program to its end
     ended, err = outlived(tmp_path, *two_nodes, str(PROBE), str(out), python=python)
     assert ended == {"rc": 0, "left": []}, err[-3000:]

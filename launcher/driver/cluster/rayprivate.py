@@ -32,10 +32,16 @@ def only_what_one_launch_uses(*, log_monitor: bool) -> Iterator[None]:
     output itself never reads what it tails from every worker's log files). Each is a Python process
     whose start shares the cores with the raylet's and the ranks' (on 2 cores, a 2-rank launch's
     7.2 CPU-s came to 5.0-5.5 without the three), and the log monitor polls while the ranks run.
+
+    And its dashboard agent listens on any free port, not on Ray's default (52365): where another Ray
+    runs on the machine (a `ray start` cluster, a notebook's Ray) and holds it, the agent tried it six
+    times over 3.4 s before it gave its HTTP server up, and the launch took 8 s instead of 4.
+
     `ray.init` passes none of these options to its node. Should an upgrade move these methods, Ray
     starts them as before."""
     try:
         from ray._private.node import Node
+        from ray._private.ray_constants import DEFAULT_DASHBOARD_AGENT_LISTEN_PORT
     except ImportError:  # pragma: no cover - a Ray without it starts as it always did
         yield
         return
@@ -44,13 +50,22 @@ def only_what_one_launch_uses(*, log_monitor: bool) -> Iterator[None]:
     if None in own.values():  # pragma: no cover - the same
         yield
         return
+    own_init = Node.__init__
+
+    def init(node: Any, ray_params: Any, *args: Any, **kwargs: Any) -> None:
+        if getattr(ray_params, "dashboard_agent_listen_port", None) == DEFAULT_DASHBOARD_AGENT_LISTEN_PORT:
+            ray_params.dashboard_agent_listen_port = 0  # any free one: Ray's own choice for a port of 0
+        own_init(node, ray_params, *args, **kwargs)
+
     for name in names:
         setattr(Node, name, lambda node, **_: None)
+    Node.__init__ = init
     try:
         yield
     finally:
         for name, method in own.items():
             setattr(Node, name, method)
+        Node.__init__ = own_init
 
 
 # -- what Ray's job table shows of this driver ----------------------------------------------------
