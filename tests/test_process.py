@@ -35,8 +35,8 @@ SHELL = {"MY_PASSWORD": "hunter2", "AWS_CA_BUNDLE": "/etc/ssl/certs/ca-certifica
 # reach it as under torchrun (a secret too), less what describes the driver's machine and session
 # (docs/reference/environment.md, "What reaches a rank"), which the rank's node has of its own;
 # torchrun's agent's own setting is not there. Modules: a Ray worker has loaded Ray and what Ray
-# imports (its serializers bring pyarrow, numpy and pydantic when the process first reads a call's
-# arguments), and megaray's own package.
+# imports (pyarrow, numpy and pydantic where a rank's process imports one: Ray's serializers for
+# their types are registered then, rank/serialization.py), and megaray's own package with wrapt.
 ADDED_NAMES = {"CUDA_VISIBLE_DEVICES", "NODE_RANK", "GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME", "SPT_NOENV"}
 ADDED_PREFIXES = ("RAY_",)
 DROPPED_NAMES = {"TORCHELASTIC_SIGNALS_TO_HANDLE", "SHLVL"}  # the login shell's depth: a session's
@@ -60,7 +60,7 @@ def unexpected_names(torchrun: list[str], megaray: list[str]) -> tuple[set[str],
 def unexpected_modules(torchrun: list[str], megaray: list[str]) -> tuple[set[str], set[str]]:
     """(modules loaded before the program under megaray that are not Ray's or megaray's, and modules
     loaded under torchrun but not under megaray)."""
-    extra = set(megaray) - set(torchrun) - RAY_WORKER_MODULES - {"launcher"}
+    extra = set(megaray) - set(torchrun) - RAY_WORKER_MODULES - {"launcher", "wrapt"}
     return {m for m in extra if not m.startswith(RAY_WORKER_MODULE_PREFIXES)}, set(torchrun) - set(megaray)
 
 
@@ -159,7 +159,7 @@ def test_a_rank_sees_the_process_torchrun_gives_it(tmp_path):
     assert m["child_sigint_exit"] == -2 and m["stdin"] == "EOFError" and m["breakpointhook"] is None
     assert m["sys_path"][0] == "<work>" and not any("/ray/" in p for p in m["sys_path"])
     assert m["blas_threads"] == [["openblas", 2]] and {"AWS_CA_BUNDLE", "MY_PASSWORD"} <= set(m["env_names"])
-    assert "numpy" in m["preloaded"] and "torch" not in m["preloaded"]
+    assert not {"torch", "numpy", "pyarrow", "pydantic"} & set(m["preloaded"]), m["preloaded"]  # as torchrun
 
 
 ABORT_ON_EXIT = """
