@@ -37,9 +37,14 @@ def serializers_when_imported() -> None:
         registered: list[bool] = []
 
         def register(_module: Any) -> None:
-            if not registered:  # once, for whichever library comes first: Ray's apply takes all
-                registered.append(True)
+            if registered:  # once, for whichever library comes first: Ray's apply takes all
+                return
+            registered.append(True)
+            try:
                 own(context)
+            except Exception as e:  # inside the program's own import: said, never raised there
+                print(f"megaray: Ray's serializers for {', '.join(ADDON_LIBRARIES)} types were not "
+                      f"registered: {type(e).__name__}: {e}", file=sys.stderr, flush=True)  # fmt: skip
 
         for name in ADDON_LIBRARIES:
             register_post_import_hook(register, name)
