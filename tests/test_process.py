@@ -330,8 +330,10 @@ for entry in filter(str.isdigit, os.listdir("/proc")):
         pass
 with open(os.path.join(sys.argv[1], f"beside-{os.environ['RANK']}"), "w") as f:
     f.write(chr(10).join(beside))
-with open(f"/proc/{raylet}/cmdline") as src, open(os.path.join(sys.argv[1], "raylet"), "w") as f:
-    f.write(src.read().replace(chr(0), " "))
+with open(f"/proc/{raylet}/cmdline") as f:
+    command = f.read().replace(chr(0), " ")
+with open(os.path.join(sys.argv[1], f"raylet-{os.environ['RANK']}"), "w") as f:
+    f.write(command)
 open(os.path.join(sys.argv[1], f"running-{os.environ['RANK']}"), "w").close()
 time.sleep(600)
 """
@@ -391,7 +393,7 @@ def test_a_ray_started_for_the_launch_is_stopped_with_every_process_it_started(t
     assert "dashboard.py" not in beside, beside
     # its raylet's dashboard agent takes any free port, not Ray's default, which another Ray on the
     # machine may hold (the agent then retried it for 3.4 s, a launch of 4 s took 8)
-    assert "--listen-port=0 " in (out / "raylet").read_text()
+    assert "--listen-port=0 " in (out / "raylet-1").read_text()  # written before running-1
     two_nodes = ("--device", "cpu", "--nodes", "2", "--gpus-per-node", "1")  # simulated, a program to its end
     ended, err = outlived(tmp_path, *two_nodes, str(PROBE), str(out), python=python)
     assert ended == {"rc": 0, "left": []}, err[-3000:]
