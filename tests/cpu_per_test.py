@@ -7,7 +7,8 @@ drivers, ranks): the cgroup's CPU counter read before and after each test is wha
 whatever ran beside it. Module fixtures count in the test that started or stopped them.
 
 Needs root and a cgroup filesystem (v1 `cpuacct` or v2); without them it says so and records nothing.
-Each worker appends `nodeid<TAB>cpu_s<TAB>wall_s` to `cpu-<worker>.tsv` in MEGARAY_CPU_DIR (default:
+Each worker appends `nodeid<TAB>cpu_s<TAB>wall_s<TAB>started` (seconds since the epoch: the two
+workers' lines side by side show when one waited) to `cpu-<worker>.tsv` in MEGARAY_CPU_DIR (default:
 the temp dir); the run ends with the modules' totals.
 """
 
@@ -73,11 +74,11 @@ def pytest_runtest_protocol(item, nextitem):
     if _counter is None:
         yield
         return
-    cpu, wall = _counter.read(), time.monotonic()
+    cpu, wall, started = _counter.read(), time.monotonic(), time.time()
     yield
     cpu, wall = _counter.read() - cpu, time.monotonic() - wall
     with open(_out_dir() / f"cpu-{_WORKER}.tsv", "a") as f:
-        f.write(f"{item.nodeid}\t{cpu:.1f}\t{wall:.1f}\n")
+        f.write(f"{item.nodeid}\t{cpu:.1f}\t{wall:.1f}\t{started:.1f}\n")
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -86,7 +87,7 @@ def pytest_terminal_summary(terminalreporter, config):
     by_module: dict[str, list[float]] = {}
     for tsv in _out_dir().glob("cpu-*.tsv"):
         for line in tsv.read_text().splitlines():
-            nodeid, cpu, wall = line.split("\t")
+            nodeid, cpu, wall = line.split("\t")[:3]
             total = by_module.setdefault(nodeid.split("::")[0], [0.0, 0.0])
             total[0] += float(cpu)
             total[1] += float(wall)
