@@ -29,6 +29,10 @@ def as_a_plain_process() -> None:
     - SIGINT: Ray's workers start with it blocked, and every process a rank starts inherits the
       mask: `KeyboardInterrupt` never came and a child sent SIGINT survived. Unblocked, with Python's
       own handler.
+    - SIGTERM, SIGHUP, SIGQUIT: ignored where whoever started Ray had them ignored (a script's
+      `megaray ... &` ignores SIGINT and SIGQUIT, and Ray's processes pass that on), so `kill -QUIT`
+      of a rank did nothing. torchrun's agent handles these four, so its workers start with each at
+      its default: so do the ranks (a handler Ray installed is left alone).
     - stdin: a Ray worker inherits the terminal of whoever started Ray, from a background process
       group, so `input()` stopped the rank (SIGTTIN) until the hang timeout. A rank reads end-of-file
       instead (`input()` raises EOFError), as under most cluster launchers.
@@ -37,6 +41,9 @@ def as_a_plain_process() -> None:
     """
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     signal.signal(signal.SIGINT, signal.default_int_handler)
+    for handled_by_torchrun in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        if signal.getsignal(handled_by_torchrun) == signal.SIG_IGN:
+            signal.signal(handled_by_torchrun, signal.SIG_DFL)
     null = os.open(os.devnull, os.O_RDONLY)
     try:
         os.dup2(null, 0)
