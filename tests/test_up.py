@@ -372,11 +372,13 @@ def a_pool_taken_by_a_launch_whose_driver_was_killed_is_free(env: dict[str, str]
         assert driver.poll() is None and time.monotonic() < deadline
         time.sleep(0.2)
     ranks = [int((tmp_path / f"running-{r}").read_text()) for r in range(2)]
-    # meanwhile, a second launch of the layout: the pool is in use and the local Ray cannot grow,
-    # so it fails within seconds (it waited out --placement-timeout, 120 s)
+    # meanwhile, a second launch of the layout: the pool is in use and the local Ray cannot grow, so
+    # it fails within seconds (it waited out --placement-timeout, 120 s): it says the Ray cannot grow,
+    # which caps its wait at 10 s (tests/test_topology_pure.py); 2 s asked here, to spare the wait
     t0 = time.monotonic()
-    second = megaray(env, *runs, "examples/torchrun_script.py")
-    assert second.returncode == 2 and "not placed within 10s" in second.stderr, second.stderr[-3000:]
+    second = megaray(env, *runs, "--placement-timeout", "2", "examples/torchrun_script.py")
+    assert second.returncode == 2 and "not placed within 2s" in second.stderr, second.stderr[-3000:]
+    assert "started for this run or by `megaray up`, cannot grow" in second.stderr, second.stderr[-3000:]
     assert "in use by job" in second.stderr and time.monotonic() - t0 < 60
     driver.send_signal(signal.SIGKILL)
     driver.wait()
