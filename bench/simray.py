@@ -551,8 +551,8 @@ class RemoteFunction:
         return ref
 
 
-def _exit_and_ship(pids: list[int], grace_s: float, sink: Any, spools: list, marks: list) -> list:
-    return [(0.01, True, 0)] * len(pids)
+def _exit_and_ship(procs: list, grace_s: float, sink: Any, spools: list, marks: list) -> list:
+    return [(0.01, True, 0)] * len(procs)
 
 
 def _ship(sink: Any, spools: list, delete: bool) -> dict[str, Any]:
@@ -563,9 +563,9 @@ TASKS.update({"exit_and_ship": _exit_and_ship, "ship": _ship})
 # what a node's forwarder does to the node's rank processes (rank/forwarder.py), faked as the tasks
 # are: a SimRank's pid is made up, and may be another process's on this machine
 ON_NODE: dict[str, Callable[..., Any]] = {
-    "exit_and_ship": lambda pids, grace_s, spools, marks: _exit_and_ship(pids, grace_s, None, spools, marks),
+    "exit_and_ship": lambda ps, grace_s, spools, marks: _exit_and_ship(ps, grace_s, None, spools, marks),
     "exit_marked": lambda mark: False,
-    "inspect": lambda pids: [{"pid": p, "state": "gone", "stack": None, "how": None} for p in pids],
+    "inspect": lambda procs: [{"pid": p.pid, "state": "gone", "stack": None, "how": None} for p in procs],
 }
 
 

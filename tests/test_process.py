@@ -414,3 +414,24 @@ def test_a_ray_started_for_the_launch_is_stopped_with_every_process_it_started(t
     ended, err = outlived(tmp_path, *two_nodes, str(PROBE), str(out), python=python)
     assert ended == {"rc": 0, "left": []}, err[-3000:]
     assert "simulating 2 node(s)" in err, err[-3000:]
+
+
+def test_a_rank_pid_another_process_holds_now_is_neither_killed_nor_inspected():
+    """The node's exit watch kills a rank process still running past the grace, and a hang's inspection
+    signals it (SIGUSR1, for its faulthandler); both by the pid the rank reported with its start time:
+    a pid another process has taken since is left alone (it was killed by pid alone)."""
+    from launcher.core.deaths import RecordedProcess
+    from launcher.rank.probes import inspect_process, stat, wait_exited
+
+    stranger = subprocess.Popen(["sleep", "60"])
+    try:
+        started = stat(stranger.pid).start_ticks
+        as_recorded_before = RecordedProcess(stranger.pid, started - 1)  # the rank that had the pid
+        assert inspect_process(as_recorded_before)["state"] == "gone"
+        took, _ = wait_exited([as_recorded_before], grace_s=0.3)
+        assert took[0] is not None and stranger.poll() is None  # gone, as the rank is; the stranger runs
+        took, _ = wait_exited([RecordedProcess(stranger.pid, started)], grace_s=0.3)
+        assert took == [None] and stranger.wait(timeout=10) == -signal.SIGKILL  # the rank itself: killed
+    finally:
+        stranger.kill()
+        stranger.wait()

@@ -13,6 +13,16 @@ SIGKILL_PENDING = 1 << (signal.SIGKILL - 1)  # its bit in /proc/<pid>/status's S
 
 
 @dataclass(frozen=True)
+class RecordedProcess:
+    """A process megaray started, as recorded when it started: its pid and its start time (clock
+    ticks after boot, /proc/<pid>/stat's 22nd field), so that a pid another process has taken since
+    is never signalled. `started` None: not recorded (then the pid alone)."""
+
+    pid: int
+    started: int | None = None
+
+
+@dataclass(frozen=True)
 class ProcessEnd:
     """A rank's process found ending on its node, before it is gone: a process with GPU memory takes
     seconds to exit (the driver frees its memory first), and Ray reports it dead only after that.

@@ -12,6 +12,8 @@ import random
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, replace
 
+from .deaths import RecordedProcess
+
 
 @dataclass(frozen=True)
 class NodeSlot:
@@ -40,6 +42,12 @@ class RankReport:
     log_dir: str = ""  # where the node keeps worker output (rank/spool.py)
     oom_kills: int | None = None  # the node's OOM-killer count when the rank started
     gpu_memory_gib: float | None = None  # the node's smallest GPU, from NVML (None: no GPU or NVML)
+    started: int | None = None  # the rank process's start time, in clock ticks after boot
+
+    @property
+    def process(self) -> RecordedProcess:
+        """The rank's process, as recorded: what megaray signals on its node (a reused pid is not it)."""
+        return RecordedProcess(self.pid, self.started)
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from typing import Any
 
 import ray
 
-from ..core.deaths import ProcessEnd
+from ..core.deaths import ProcessEnd, RecordedProcess
 from ..core.metrics import KEEP_EVERY_S, RankLabels
 from ..core.outbatch import MIN_EVERY_S, Held, OutputBatch, Source, batch_bytes, send_every
 from ..core.straggler import Sample
@@ -190,15 +190,16 @@ class NodeForwarder:
 
     @ray.method(concurrency_group=CONTROL)
     async def exit_and_ship(
-        self, pids: list[int], grace_s: float, spools: list[tuple[Source, str]], marks: list[str | None]
-    ) -> list[tuple[float | None, bool, int | None]]:
+        self, procs: list[RecordedProcess], grace_s: float, spools: list[tuple[Source, str]],
+        marks: list[str | None],
+    ) -> list[tuple[float | None, bool, int | None]]:  # fmt: skip
         """rank/spool.py `exit_and_ship`, from this process, already running on the ranks' node: a task
         there would first wait for Ray to start a worker (about a second on a small machine, at the end
         of every launch with a node beside the driver's). The wait runs in a thread: the ranks' output
         and stop waits go on meanwhile."""
         from .spool import exits_seen
 
-        ended = await asyncio.to_thread(exits_seen, pids, grace_s, marks)
+        ended = await asyncio.to_thread(exits_seen, procs, grace_s, marks)
         if spools:
             with contextlib.suppress(Exception):  # the sink is gone: the driver is going too
                 await self.ship(spools)
@@ -213,12 +214,12 @@ class NodeForwarder:
         return exited_cleanly(mark)
 
     @ray.method(concurrency_group=CONTROL)
-    async def inspect(self, pids: list[int]) -> list[dict[str, Any]]:
+    async def inspect(self, procs: list[RecordedProcess]) -> list[dict[str, Any]]:
         """rank/probes.py `inspect_processes` on this node (a hang's stacks), in a thread: the ranks'
         output and stop waits go on meanwhile."""
         from .probes import inspect_processes
 
-        return await asyncio.to_thread(inspect_processes, pids)
+        return await asyncio.to_thread(inspect_processes, procs)
 
     @ray.method(concurrency_group=CONTROL)
     async def wait_stop(self) -> None:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..core.deaths import ProcessEnd, process_end
+from ..core.deaths import ProcessEnd, RecordedProcess, process_end
 from ..core.topology import candidate_ports
 
 
@@ -72,14 +72,29 @@ def process_state(pid: int) -> str | None:
     return s.state if s else None
 
 
-def inspect_process(pid: int) -> dict[str, Any]:
-    """On the rank's node: state and Python stack of one rank process."""
+def is_still(pid: int, started: int | None) -> bool:
+    """Whether `pid` is running and is the process that started at `started` (None: not recorded,
+    as in a state file from an older megaray; then any process with that pid)."""
+    s = stat(pid)
+    return s is not None and s.state != "Z" and (started is None or s.start_ticks == started)
+
+
+def _same(s: Stat | None, started: int | None) -> Stat | None:
+    """`s`, where it is the process recorded as started at `started`; None where the pid is free or
+    another process's now."""
+    return s if s is not None and (started is None or s.start_ticks == started) else None
+
+
+def inspect_process(proc: RecordedProcess) -> dict[str, Any]:
+    """On the rank's node: state and Python stack of one rank process (a pid another process holds
+    now is "gone": neither attached to nor signalled)."""
+    pid = proc.pid
     out: dict[str, Any] = {"pid": pid, "state": "?", "stack": None, "how": None}
-    state = process_state(pid)
-    if state is None:
+    s = _same(stat(pid), proc.started)
+    if s is None:
         out["state"] = "gone"
         return out
-    out["state"] = state
+    out["state"] = s.state
     spy = _py_spy()
     if spy:
         try:
@@ -95,6 +110,9 @@ def inspect_process(pid: int) -> dict[str, Any]:
     if out["state"] in ("T", "t"):
         out["how"] = "nobody: a stopped process cannot run its faulthandler (SIGCONT it to inspect)"
         return out
+    if not is_still(pid, proc.started):
+        out["state"] = "gone"
+        return out
     try:  # the rank registered faulthandler on SIGUSR1: its stack goes to its log
         os.kill(pid, signal.SIGUSR1)
         out["how"] = "faulthandler (see the rank's log)"
@@ -103,9 +121,9 @@ def inspect_process(pid: int) -> dict[str, Any]:
     return out
 
 
-def inspect_processes(pids: list[int]) -> list[dict[str, Any]]:
-    with ThreadPoolExecutor(max_workers=min(8, len(pids) or 1)) as pool:
-        return list(pool.map(inspect_process, pids))
+def inspect_processes(procs: list[RecordedProcess]) -> list[dict[str, Any]]:
+    with ThreadPoolExecutor(max_workers=min(8, len(procs) or 1)) as pool:
+        return list(pool.map(inspect_process, procs))
 
 
 def inherited_env() -> dict[str, str]:
@@ -169,30 +187,32 @@ def free_ports(seed: str, count: int, exact: int | None = None) -> list[int]:
     return found
 
 
-def wait_exited(pids: list[int], grace_s: float) -> tuple[list[float | None], list[int | None]]:
+def wait_exited(procs: list[RecordedProcess], grace_s: float) -> tuple[list[float | None], list[int | None]]:
     """On a node: wait up to `grace_s` for each process to end (its atexit handlers and non-daemon
-    threads done); SIGKILL those still running then. Seconds each took (None for the killed), and
-    each one's exit status as waitpid gives it, where it was seen exiting (core/deaths.py)."""
+    threads done); SIGKILL those still running then, each only while its pid is still that process.
+    Seconds each took (None for the killed), and each one's exit status as waitpid gives it, where it
+    was seen exiting (core/deaths.py)."""
     start = time.monotonic()
-    took: list[float | None] = [None] * len(pids)
-    status: list[int | None] = [None] * len(pids)
+    took: list[float | None] = [None] * len(procs)
+    status: list[int | None] = [None] * len(procs)
     while time.monotonic() - start < grace_s:
-        for i, pid in enumerate(pids):
+        for i, proc in enumerate(procs):
             if took[i] is not None:
                 continue
-            text = _read(f"/proc/{pid}/stat")  # read once: its state, and how it exits
-            end = process_end(pid, text, None)
+            text = _read(f"/proc/{proc.pid}/stat")  # read once: its state, and how it exits
+            s = _same(_parsed(proc.pid, text), proc.started)
+            end = process_end(proc.pid, text, None) if s is not None else None
             if end is not None and end.status is not None and status[i] is None:
                 status[i] = end.status  # seen exiting (or a zombie): how
-            if (s := _parsed(pid, text)) is None or s.state == "Z":
+            if s is None or s.state == "Z":
                 took[i] = round(time.monotonic() - start, 3)
         if all(t is not None for t in took):
             return took, status
         time.sleep(0.02)
-    for i, pid in enumerate(pids):
-        if took[i] is None:
+    for i, proc in enumerate(procs):
+        if took[i] is None and is_still(proc.pid, proc.started):
             with contextlib.suppress(OSError):
-                os.kill(pid, signal.SIGKILL)
+                os.kill(proc.pid, signal.SIGKILL)
     return took, status
 
 

@@ -15,6 +15,7 @@ import os
 import tempfile
 from typing import Any, NoReturn
 
+from ..core.deaths import RecordedProcess
 from ..core.outbatch import STDERR, STDOUT, Source
 
 MAX_SALVAGE_BYTES = 4 << 20  # what a dead rank's spool can add at most: its end, not a lost gigabyte
@@ -132,11 +133,12 @@ def unsent(spools: list[tuple[Source, str]], received: list[int], delete: bool) 
 
 
 def exit_and_ship(
-    pids: list[int], grace_s: float, sink: Any, spools: list[tuple[Source, str]], marks: list[str | None]
-) -> list[tuple[float | None, bool, int | None]]:
+    procs: list[RecordedProcess], grace_s: float, sink: Any, spools: list[tuple[Source, str]],
+    marks: list[str | None],
+) -> list[tuple[float | None, bool, int | None]]:  # fmt: skip
     """On a node, after the program returned: watch the processes end (`exits_seen`), then ship what
     they printed on the way out (atexit handlers, non-daemon threads)."""
-    ended = exits_seen(pids, grace_s, marks)
+    ended = exits_seen(procs, grace_s, marks)
     if sink is not None and spools:
         with contextlib.suppress(Exception):  # the sink is gone: the driver is going too
             ship(sink, spools, delete=True)
@@ -144,14 +146,14 @@ def exit_and_ship(
 
 
 def exits_seen(
-    pids: list[int], grace_s: float, marks: list[str | None]
+    procs: list[RecordedProcess], grace_s: float, marks: list[str | None]
 ) -> list[tuple[float | None, bool, int | None]]:
     """Watch the processes end (probes.wait_exited); for each: the seconds it took (None: killed after
     `grace_s`), whether it ended cleanly (its exit mark written, then removed; True where it has
     none to write), and its exit status where it was seen exiting."""
     from .probes import wait_exited
 
-    took, status = wait_exited(pids, grace_s)
+    took, status = wait_exited(procs, grace_s)
     clean = []
     for mark in marks:
         clean.append(mark is None or os.path.exists(mark))

@@ -20,13 +20,6 @@ def start_ticks(pid: int) -> int | None:
     return s.start_ticks if s else None
 
 
-def is_still(pid: int, started: int | None) -> bool:
-    """Whether `pid` is running and is the process that started at `started` (None: not recorded,
-    as in a state file from an older megaray; then any process with that pid)."""
-    s = stat(pid)
-    return s is not None and s.state != "Z" and (started is None or s.start_ticks == started)
-
-
 def session_members(leader: int, started: int | None) -> list[Stat]:
     """The running processes of the session `leader` started (itself included, while it runs),
     that started no earlier than it did, by pid; nothing when `leader` is now another process."""

@@ -14,6 +14,7 @@ from typing import Any
 
 import ray
 
+from ...core.deaths import RecordedProcess
 from ...core.outbatch import Source
 from ...core.topology import RankReport
 from ...rank.spool import exited_cleanly, ship, spool_files, spool_name
@@ -58,14 +59,14 @@ def read_exit_mark(node: str, mark: str, forwarders: Mapping[str, Any]) -> bool:
         return False
 
 
-def inspect_on(node: str, pids: list[int], forwarders: Mapping[str, Any]) -> Any:
+def inspect_on(node: str, procs: list[RecordedProcess], forwarders: Mapping[str, Any]) -> Any:
     """rank/probes.py `inspect_processes` (a hang's stacks) on `node`, by its output forwarder, else
     by a task there (which first waits for Ray to start a worker); an ObjectRef."""
     if (forwarder := forwarders.get(node)) is not None:
-        return forwarder.inspect.remote(pids)
+        return forwarder.inspect.remote(procs)
     from ...rank.probes import inspect_processes
 
-    return ray.remote(inspect_processes).options(**on_node(node)).remote(pids)
+    return ray.remote(inspect_processes).options(**on_node(node)).remote(procs)
 
 
 def wait_shipped(pending: list[Any], timeout_s: float) -> set[Any]:

@@ -76,13 +76,13 @@ def exit_gracefully(
     task = ray.remote(exit_and_ship)
     watches: dict[str, Any] = {}  # node -> the task's ref, or the driver thread's future
     for node, hs in by_node.items():
-        pids, spools, marks = [h.report.pid for h in hs], spools_of(hs), [_mark(h) for h in hs]
+        procs, spools, marks = [h.report.process for h in hs], spools_of(hs), [_mark(h) for h in hs]
         if node == here:
-            watches[node] = in_thread(exit_and_ship, pids, grace_s, sink, spools, marks)
+            watches[node] = in_thread(exit_and_ship, procs, grace_s, sink, spools, marks)
         elif (forwarder := forwarders.get(node)) is not None:
-            watches[node] = forwarder.exit_and_ship.remote(pids, grace_s, spools, marks)
+            watches[node] = forwarder.exit_and_ship.remote(procs, grace_s, spools, marks)
         else:
-            watches[node] = task.options(**on_node(node)).remote(pids, grace_s, sink, spools, marks)
+            watches[node] = task.options(**on_node(node)).remote(procs, grace_s, sink, spools, marks)
     deadline = time.monotonic() + grace_s + 60
     wait_all([w for w in watches.values() if not isinstance(w, Future)], grace_s + 60, stop)
     for w in watches.values():

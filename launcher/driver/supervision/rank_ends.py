@@ -248,7 +248,7 @@ class RankEnds:
         log.error("no output or progress from any rank for %.0fs: reading every rank's stack", idle_s)
         by_node, forwarders = ranks_by_node(handles), self.forwarders()
         refs = {
-            node: inspect_on(node, [h.report.pid for h in hs], forwarders) for node, hs in by_node.items()
+            node: inspect_on(node, [h.report.process for h in hs], forwarders) for node, hs in by_node.items()
         }
         seen: dict[int, dict[str, Any]] = {}
         ready = set(ray.wait(list(refs.values()), num_returns=len(refs), timeout=INSPECT_WAIT_S)[0])
