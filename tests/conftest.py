@@ -49,6 +49,19 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 import pytest  # noqa: E402
 
 
+def pytest_configure(config):
+    """megaray's own modules compiled once, before any test starts a process: under
+    PYTHONDONTWRITEBYTECODE=1 (set on some CI machines, this one's included) no process writes
+    `__pycache__`, so each driver, rank and forwarder of the suite compiled the ~70 modules it imports
+    afresh (~0.08 CPU-s each, ~500 processes a run). A user's first import writes them; pip compiles
+    an installed package at install. Reading them is allowed whatever that variable says."""
+    import compileall
+
+    if not hasattr(config, "workerinput"):  # the run's first process
+        for folder in ("launcher", "tests", "bench", "examples"):
+            compileall.compile_dir(REPO / folder, quiet=2, workers=1)
+
+
 def leftovers(job: str, wait_s: float = 10.0) -> tuple[list[str], list[str]]:
     """Actors and placement groups of `job` still alive; polls while Ray finishes removing them."""
     import ray
