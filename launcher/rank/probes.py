@@ -72,17 +72,17 @@ def process_state(pid: int) -> str | None:
     return s.state if s else None
 
 
-def is_still(pid: int, started: int | None) -> bool:
-    """Whether `pid` is running and is the process that started at `started` (None: not recorded,
-    as in a state file from an older megaray; then any process with that pid)."""
-    s = stat(pid)
-    return s is not None and s.state != "Z" and (started is None or s.start_ticks == started)
-
-
 def _same(s: Stat | None, started: int | None) -> Stat | None:
-    """`s`, where it is the process recorded as started at `started`; None where the pid is free or
-    another process's now."""
+    """`s`, where it is the process recorded as started at `started` (None: not recorded, as in a
+    state file or a report from an older megaray; then any process with that pid); None where the
+    pid is free or another process's now."""
     return s if s is not None and (started is None or s.start_ticks == started) else None
+
+
+def is_still(pid: int, started: int | None) -> bool:
+    """Whether `pid` is running (not a zombie) and is the process that started at `started`."""
+    s = _same(stat(pid), started)
+    return s is not None and s.state != "Z"
 
 
 def inspect_process(proc: RecordedProcess) -> dict[str, Any]:
