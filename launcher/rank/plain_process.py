@@ -58,11 +58,12 @@ def as_a_plain_process() -> None:
 
 
 def match_thread_pools() -> None:
-    """A Ray worker imports numpy (through pyarrow: Ray's serializers load when the process first
-    reads a call's arguments) before the rank's environment is set, so numpy's BLAS sized its thread
-    pool from the worker's OMP_NUM_THREADS, not the rank's: `--env OMP_NUM_THREADS=8` gave numpy
-    one thread. Each BLAS loaded by then gets the count it reads at load under the rank's
-    environment, as under torchrun (core/blas.py). Nothing loaded, nothing done."""
+    """Where numpy was imported before the rank's environment was set (a warm spare's or a warm
+    pool's imports; Ray's serializers did so in every worker before they were registered on import,
+    rank/serialization.py), its BLAS sized its thread pool from the worker's OMP_NUM_THREADS, not the
+    rank's: `--env OMP_NUM_THREADS=8` gave numpy one thread. Each BLAS loaded by then gets the count
+    it reads at load under the rank's environment, as under torchrun (core/blas.py). Nothing loaded,
+    nothing done."""
     if "numpy" not in sys.modules:
         return
     had = set(sys.modules)
