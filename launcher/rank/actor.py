@@ -40,7 +40,7 @@ from .probes import (
     free_ports,
     inherited_env,
     interface_of,
-    stat,
+    start_ticks,
 )
 from .serialization import in_a_ray_worker, serializers_when_imported
 from .spool import exit_mark, log_dir, mark_exit, mark_os_exit_zero, oom_kills
@@ -86,7 +86,7 @@ def report_of(rank: int, node_ip: str, node_id: str, gpu_ids: tuple[str, ...]) -
         log_dir=log_dir(),
         oom_kills=oom_kills(),
         gpu_memory_gib=smallest_memory_gib() if gpu_ids else None,
-        started=getattr(stat(os.getpid()), "start_ticks", None),
+        started=start_ticks(os.getpid()),
     )
 
 

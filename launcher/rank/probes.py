@@ -72,6 +72,13 @@ def process_state(pid: int) -> str | None:
     return s.state if s else None
 
 
+def start_ticks(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks after boot (what a recorded process is told apart
+    by); None when there is no such process."""
+    s = stat(pid)
+    return s.start_ticks if s else None
+
+
 def _same(s: Stat | None, started: int | None) -> Stat | None:
     """`s`, where it is the process recorded as started at `started` (None: not recorded, as in a
     state file or a report from an older megaray; then any process with that pid); None where the

@@ -15,11 +15,6 @@ from pathlib import Path
 from ...rank.probes import Stat, stat
 
 
-def start_ticks(pid: int) -> int | None:
-    s = stat(pid)
-    return s.start_ticks if s else None
-
-
 def session_members(leader: int, started: int | None) -> list[Stat]:
     """The running processes of the session `leader` started (itself included, while it runs),
     that started no earlier than it did, by pid; nothing when `leader` is now another process."""

@@ -28,9 +28,9 @@ from pathlib import Path
 
 from ...core.errors import ClusterError, Interrupted, UsageError
 from ...core.raytoken import auth_disabled, find_token, token_path
-from ...rank.probes import is_still
+from ...rank.probes import is_still, start_ticks
 from . import up_nodes as nodes_of_up
-from .owned import session_members, start_ticks
+from .owned import session_members
 
 log = logging.getLogger("megaray")
 

@@ -27,8 +27,8 @@ from pathlib import Path
 
 from ...core.errors import ClusterError
 from ...core.topology import PORT_RANGE, candidate_ports
-from ...rank.probes import ephemeral_range, port_is_free
-from .owned import session_members, start_ticks
+from ...rank.probes import ephemeral_range, port_is_free, start_ticks
+from .owned import session_members
 
 log = logging.getLogger("megaray")
 
