@@ -1,7 +1,5 @@
 from __future__ import annotations
 
-import contextlib
-import fcntl
 import json
 import os
 import re
@@ -48,6 +46,10 @@ os.environ.setdefault("RAY_DEDUP_LOGS", "0")
 
 import pytest  # noqa: E402
 
+from . import turns  # noqa: E402
+
+_own_group: Path | None = None  # this worker's CPU cgroup (tests/turns.py)
+
 
 def pytest_configure(config):
     """megaray's own modules compiled once, before any test starts a process: under
@@ -57,7 +59,10 @@ def pytest_configure(config):
     an installed package at install. Reading them is allowed whatever that variable says."""
     import compileall
 
-    if not hasattr(config, "workerinput"):  # the run's first process
+    global _own_group
+    if hasattr(config, "workerinput"):
+        _own_group = turns.join_own_group()
+    else:  # the run's first process
         for folder in ("launcher", "tests", "bench", "examples"):
             compileall.compile_dir(REPO / folder, quiet=2, workers=1)
 
@@ -235,32 +240,7 @@ def pytest_collection_modifyitems(config, items):
     return result
 
 
-# Tests that time ranks against each other (a straggler named, a step-time ratio, a machine that is
-# busy on purpose) are marked `alone`: on two pytest-xdist workers, the other worker's load would
-# starve a rank and the test would rightly name it (seen in one of three fresh-clone runs). Every test
-# holds a shared lock for its whole run (set-up, the module's cluster included, and teardown); an
-# `alone` test holds it exclusively, so the other worker waits between two of its tests. A turnstile
-# taken first keeps the other worker's stream of tests from starving the exclusive one.
-@contextlib.contextmanager
-def _cpu_turn(alone: bool):
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if not run:  # one process: nothing runs beside the test
-        yield
-        return
-    base = _SHARED_TMP / f"megaray-tests-{run}"
-    with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.lock", "a") as lock:
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        if not alone:
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
-            fcntl.flock(turnstile, fcntl.LOCK_UN)
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    with _cpu_turn(item.get_closest_marker("alone") is not None):
+    with turns.turn(item.get_closest_marker("alone") is not None, _own_group, _SHARED_TMP):
         yield

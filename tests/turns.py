@@ -1,0 +1,98 @@
+"""Whose turn the CPU is, between the two pytest-xdist workers.
+
+Tests that time ranks against each other (a straggler named, a slow rank dropped, a machine busy on
+purpose, the doctor's bandwidth) are marked `alone`: the other worker's load would starve a rank and
+the test would rightly name it (seen in one of three fresh-clone runs).
+
+Where this machine lets us (root and cgroup v1's `cpu` controller, as on CI's machines), each worker
+runs in a CPU cgroup of its own, which every process it starts inherits (Ray's daemons, drivers,
+ranks, a `megaray up` that left its session): an `alone` test lowers the other workers' CPU weight
+to a quarter of its own while it runs, so where both want a core, its ranks get four fifths of it,
+and the other worker goes on with its tests on what is left instead of waiting. Waiting cost the
+run 75-150 s of one worker's time (its test under way had to end before the `alone` test could
+start, then it sat idle while the `alone` test, which uses 0.7-1.9 cores, ran).
+
+Elsewhere every test holds a shared lock for its whole run (set-up, the module's cluster included,
+and teardown) and an `alone` test holds it exclusively, so the other worker waits between two of its
+tests; a turnstile taken first keeps the other worker's stream of tests from starving the exclusive
+one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+_CPU = Path("/sys/fs/cgroup/cpu")
+_SHARES = 1024  # the kernel's default weight
+_LOWERED = _SHARES // 4
+
+
+def _run() -> str | None:
+    return os.environ.get("PYTEST_XDIST_TESTRUNUID")
+
+
+def _group(run: str, worker: str) -> Path:
+    return _CPU / f"megaray-tests-{run[:12]}-{worker}"
+
+
+def join_own_group() -> Path | None:
+    """This worker's CPU cgroup, with this process in it; None where there is none to make (not
+    root, no cgroup v1 `cpu` controller, not under pytest-xdist). Earlier runs' emptied groups go."""
+    run, worker = _run(), os.environ.get("PYTEST_XDIST_WORKER")
+    if not run or not worker or not (_CPU / "cpu.shares").exists():
+        return None
+    for old in _CPU.glob("megaray-tests-*"):
+        if not old.name.startswith(f"megaray-tests-{run[:12]}-"):
+            with contextlib.suppress(OSError):
+                old.rmdir()  # fails while a process is left in it: harmless
+    group = _group(run, worker)
+    try:
+        group.mkdir(exist_ok=True)
+        (group / "cpu.shares").write_text(str(_SHARES))
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+    except OSError:
+        return None
+    return group
+
+
+def _set_others(own: Path, shares: int) -> None:
+    for group in own.parent.glob(own.name.rsplit("-", 1)[0] + "-*"):
+        if group != own:
+            with contextlib.suppress(OSError):  # a worker that ended and took its group
+                (group / "cpu.shares").write_text(str(shares))
+
+
+@contextlib.contextmanager
+def turn(alone: bool, own: Path | None, shared_tmp: Path) -> Iterator[None]:
+    """Around one test (its set-up and teardown included)."""
+    run = _run()
+    if not run:  # one process: nothing runs beside the test
+        yield
+        return
+    base = shared_tmp / f"megaray-tests-{run}"
+    if own is not None:
+        if not alone:
+            yield
+            return
+        with open(f"{base}.alone", "a") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)  # one `alone` test at a time
+            _set_others(own, _LOWERED)
+            try:
+                yield
+            finally:
+                _set_others(own, _SHARES)
+        return
+    with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.lock", "a") as lock:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
