@@ -61,10 +61,10 @@ def main(command: str, argv: list[str], exits_after: bool = False) -> int:
     args = build_parser(command).parse_args(argv)
     if command == "up":
         return _up(args, exits_after)
-    from ..driver.cluster import pool
-
     address = args.address or os.environ.get("RAY_ADDRESS")
     standing = up.running()
+    if address or standing is not None:  # imports Ray (0.3 s): not for "no `megaray up` is running"
+        from ..driver.cluster import pool
     if address:  # down --address: the cluster's pool
         with _connected(address, exits_after):
             layout = pool.drop()
@@ -155,7 +155,7 @@ def _up(args: argparse.Namespace, exits_after: bool) -> int:
 def show_pools(address: str | None, exits_after: bool = False) -> bool:
     """For `megaray list`: the `megaray up` Ray and the warm pool of the cluster at `address` (a GCS
     HOST:PORT), or of `megaray up`'s Ray. Whether a `megaray up` is running."""
-    from ..driver.cluster import pool, up
+    from ..driver.cluster import up
 
     standing = up.running()
     if standing is not None:
@@ -164,6 +164,8 @@ def show_pools(address: str | None, exits_after: bool = False) -> bool:
     where = address or (standing.address if standing else None)
     if where is None:
         return False
+    from ..driver.cluster import pool  # imports Ray (0.3 s): not for "nothing runs here"
+
     with _connected(where, exits_after):
         layout = pool.recorded()
         if layout is None:
