@@ -84,16 +84,18 @@ def fail_on_rank_1():
 
 
 def fail_together():
-    """Every rank raises at about the same moment (a file barrier first), but the word of ranks 1.. comes
-    late: each printed a burst first, which the rank sends the driver before its result (the pace of
-    a loaded machine, or of a long traceback)."""
+    """Every rank raises at the same moment (a file barrier first), but the word of ranks 1.. comes
+    late: each printed a burst, which the rank sends the driver before its result (the pace of a
+    loaded machine, or of a long traceback). The bursts go before the barrier: written after it, on a
+    loaded machine (the other pytest worker's `alone` test beside it), a rank was still writing its
+    burst when the stop began, and was rightly not listed as failed."""
     out, world = _out("barrier").parent, int(os.environ["WORLD_SIZE"])
-    (out / f"ready-{os.environ['RANK']}").touch()
-    while len(list(out.glob("ready-*"))) < world:
-        time.sleep(0.005)
     if os.environ["RANK"] != "0":
         sys.stdout.write("".join(f"burst line {i} " + "x" * 60 + "\n" for i in range(20000)))
         sys.stdout.flush()
+    (out / f"ready-{os.environ['RANK']}").touch()
+    while len(list(out.glob("ready-*"))) < world:
+        time.sleep(0.005)
     raise ValueError("bad batch")
 
 
