@@ -301,13 +301,18 @@ def test_check_with_a_node_range_accepts_the_counts_the_layout_fits(capsys):
 @pytest.mark.slow  # a local Ray and the preflight's own process importing bridge: ~50 CPU-seconds
 def test_a_layout_that_does_not_fit_exits_2_and_leaves_nothing(capsys, tmp_path):
     # the preflight runs beside connecting and placing (megatron/preflight_process.py): its refusal is
-    # the error told, even where placing failed first (no GPUs here), and no run directory is left
+    # the error told, even where placing failed first (no GPUs here), and no run directory is left.
+    # In a process with bridge imported (a notebook's), the launch waiting for it, it answers there
+    # instead of in a process that would import bridge again.
+    import megatron.bridge  # noqa: F401
     import ray
 
     runs = tmp_path / "runs"
     argv = ["--recipe", "deepseek_v2_lite", "--nodes", "1", "--gpus-per-node", "4", "--runs-dir", str(runs)]
     assert main(argv) == 2
     err = capsys.readouterr().err
+    if not starts_at_once(os.cpu_count() or 1, 4):  # where it does, its process started with the launch
+        assert "preflight in the driver, bridge imported here" in err, err[-3000:]
     assert "TP 8 must fit within one node of 4 GPUs" in err
     assert "TP 8 x PP 1 x CP 1 = 8 does not divide world size 4 (--nodes 1 x --gpus-per-node 4)" in err
     assert "Traceback" not in err and not ray.is_initialized()
