@@ -117,7 +117,7 @@ class PreflightProcess(Verdict[Plan]):
         a Python-API caller that built a config): the config takes about a second to build here,
         where a process of its own would import bridge again first (~10 CPU-s, 8-30 s)."""
         t0 = time.monotonic()
-        verdict = answer(self.spec)
+        verdict = answer(self.spec, kernels=True)  # this process lives on: `torch.compile` left as it is
         shutil.rmtree(self.folder, ignore_errors=True)
         self._done = True
         log.info("preflight in the driver, bridge imported here (%.1f s)", time.monotonic() - t0)
@@ -234,10 +234,13 @@ class _Records(logging.Handler):
         self.records.append((record.levelno, record.getMessage()))
 
 
-def answer(spec: LaunchSpec, in_rank: bool = False) -> tuple[Answer, Any, list[tuple[int, str]]]:
+def answer(
+    spec: LaunchSpec, in_rank: bool = False, kernels: bool | None = None
+) -> tuple[Answer, Any, list[tuple[int, str]]]:
     """The verdict where this runs, as (kind, plan or error, the lines it logged): in this module's
     process, or (`in_rank`) in rank 0's, which has bridge imported (`PreflightProcess.ask`) and
-    whose GPU stays visible."""
+    whose GPU stays visible. `kernels` (default: `in_rank`) False only in a process that ends once
+    it has answered (preflight.py `preflight`)."""
     from .preflight import preflight
 
     handler = _Records()
@@ -246,7 +249,8 @@ def answer(spec: LaunchSpec, in_rank: bool = False) -> tuple[Answer, Any, list[t
     log.setLevel(logging.INFO)
     log.propagate = False
     try:
-        return Answer.PLAN, preflight(spec, hide_gpus=not in_rank, kernels=in_rank), handler.records
+        kernels = in_rank if kernels is None else kernels
+        return Answer.PLAN, preflight(spec, hide_gpus=not in_rank, kernels=kernels), handler.records
     except MegarayError as e:
         return Answer.REFUSED, e, handler.records
     except Exception:
