@@ -117,7 +117,7 @@ class PreflightProcess(Verdict[Plan]):
         a Python-API caller that built a config): the config takes about a second to build here,
         where a process of its own would import bridge again first (~10 CPU-s, 8-30 s)."""
         t0 = time.monotonic()
-        verdict = answer(self.spec, kernels=True)  # this process lives on: `torch.compile` left as it is
+        verdict = answer(self.spec)
         shutil.rmtree(self.folder, ignore_errors=True)
         self._done = True
         log.info("preflight in the driver, bridge imported here (%.1f s)", time.monotonic() - t0)
@@ -235,12 +235,12 @@ class _Records(logging.Handler):
 
 
 def answer(
-    spec: LaunchSpec, in_rank: bool = False, kernels: bool | None = None
+    spec: LaunchSpec, in_rank: bool = False, ends_after: bool = False
 ) -> tuple[Answer, Any, list[tuple[int, str]]]:
-    """The verdict where this runs, as (kind, plan or error, the lines it logged): in this module's
-    process, or (`in_rank`) in rank 0's, which has bridge imported (`PreflightProcess.ask`) and
-    whose GPU stays visible. `kernels` (default: `in_rank`) False only in a process that ends once
-    it has answered (preflight.py `preflight`)."""
+    """The verdict where this runs, as (kind, plan or error, the lines it logged): in the driver, in
+    this module's process (`ends_after`: it ends once it has answered, so `torch.compile` is left off
+    while bridge imports, preflight.py `preflight`), or (`in_rank`) in rank 0's, which has bridge
+    imported (`PreflightProcess.ask`) and whose GPU stays visible."""
     from .preflight import preflight
 
     handler = _Records()
@@ -249,8 +249,7 @@ def answer(
     log.setLevel(logging.INFO)
     log.propagate = False
     try:
-        kernels = in_rank if kernels is None else kernels
-        return Answer.PLAN, preflight(spec, hide_gpus=not in_rank, kernels=kernels), handler.records
+        return Answer.PLAN, preflight(spec, hide_gpus=not in_rank, kernels=not ends_after), handler.records
     except MegarayError as e:
         return Answer.REFUSED, e, handler.records
     except Exception:
@@ -267,7 +266,7 @@ def child(folder: str) -> int:
     gc.disable()
     with open(os.path.join(folder, "spec.pkl"), "rb") as f:
         spec: LaunchSpec = pickle.load(f)
-    verdict = answer(spec)  # without torch's compiler: this process runs no kernel
+    verdict = answer(spec, ends_after=True)  # without torch's compiler: this process runs no kernel
     path = os.path.join(folder, "verdict.pkl")
     with open(path + ".tmp", "wb") as f:
         pickle.dump(verdict, f)
