@@ -36,6 +36,7 @@ def _run() -> str | None:
 
 
 def _group(run: str, worker: str) -> Path:
+    """A worker's group (`worker` "*": every worker's of this run, for a glob)."""
     return _CPU / f"megaray-tests-{run[:12]}-{worker}"
 
 
@@ -45,10 +46,10 @@ def join_own_group() -> Path | None:
     run, worker = _run(), os.environ.get("PYTEST_XDIST_WORKER")
     if not run or not worker or not (_CPU / "cpu.shares").exists():
         return None
-    for old in _CPU.glob("megaray-tests-*"):
-        if not old.name.startswith(f"megaray-tests-{run[:12]}-"):
-            with contextlib.suppress(OSError):
-                old.rmdir()  # fails while a process is left in it: harmless
+    ours = set(_CPU.glob(_group(run, "*").name))
+    for old in set(_CPU.glob("megaray-tests-*")) - ours:
+        with contextlib.suppress(OSError):
+            old.rmdir()  # fails while a process is left in it: harmless
     group = _group(run, worker)
     try:
         group.mkdir(exist_ok=True)
@@ -59,8 +60,8 @@ def join_own_group() -> Path | None:
     return group
 
 
-def _set_others(own: Path, shares: int) -> None:
-    for group in own.parent.glob(own.name.rsplit("-", 1)[0] + "-*"):
+def _set_others(run: str, own: Path, shares: int) -> None:
+    for group in _CPU.glob(_group(run, "*").name):
         if group != own:
             with contextlib.suppress(OSError):  # a worker that ended and took its group
                 (group / "cpu.shares").write_text(str(shares))
@@ -80,11 +81,11 @@ def turn(alone: bool, own: Path | None, shared_tmp: Path) -> Iterator[None]:
             return
         with open(f"{base}.alone", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one `alone` test at a time
-            _set_others(own, _LOWERED)
+            _set_others(run, own, _LOWERED)
             try:
                 yield
             finally:
-                _set_others(own, _SHARES)
+                _set_others(run, own, _SHARES)
         return
     with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.lock", "a") as lock:
         fcntl.flock(turnstile, fcntl.LOCK_EX)
