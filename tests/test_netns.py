@@ -20,12 +20,32 @@ from . import drive
 from .conftest import REPO
 
 SCRIPT = REPO.parent / "shared" / "netns" / "ray-cluster.sh"
+# The head's GCS and dashboard ports (the script's MR_NETNS_PORT and the one after it). Its default,
+# 36500, is in the kernel's ephemeral range (32768-60999), where any outgoing connection on the machine
+# can hold the port the moment the head binds it (the other worker's clusters open many; Ray's GCS
+# refuses a port in use): CI's run of 6d287f8 timed out bringing the cluster up. Below Ray's worker
+# ports (10002-19999) and megaray's MASTER_PORT range (20000-30000), nothing takes a port unasked.
+GCS_PORT = 7460
+DASHBOARD_PORT = GCS_PORT + 1
+STATE = Path(os.environ.get("MR_NETNS_DIR", "/tmp/megaray-netns"))  # the script's pids and logs
 
 
 def _env() -> dict[str, str]:
     # this venv's `ray`; the script's cluster uses token authentication, as Ray 2.60 sets it up
     path = os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", "")
-    return drive.user_env(PATH=path, RAY_AUTH_MODE="token")
+    return drive.user_env(PATH=path, RAY_AUTH_MODE="token", MR_NETNS_PORT=str(GCS_PORT))
+
+
+def _dashboard(address: str) -> str:
+    return "http://" + address.replace(f":{GCS_PORT}", f":{DASHBOARD_PORT}")
+
+
+def _logs() -> str:
+    """The last lines of each node's `ray start` log: what a cluster that did not come up said."""
+    return "\n".join(
+        f"{log.name}: " + " | ".join(log.read_text(errors="replace").strip().splitlines()[-4:])
+        for log in sorted(STATE.glob("*.log"))
+    )
 
 
 def _listening(port: int) -> bool:
@@ -43,19 +63,27 @@ def machines():
     # holds them (started with defaults) leaves it without a job agent ("No available agent"). The
     # suite runs this module first (conftest.FIRST); run alone beside another Ray, it waits for them.
     deadline = time.monotonic() + 180
-    while busy := [p for p in (52365, 10001) if _listening(p)]:
+    while busy := [p for p in (52365, 10001, GCS_PORT, DASHBOARD_PORT) if _listening(p)]:
         assert time.monotonic() < deadline, (
             f"ports {busy} stay in use by another process: the head needs them"
         )
         time.sleep(1)
     # Ray's own health checks as they are by default: a silent node is declared dead after ~65 s (5
     # checks, 10 s timeout each); megaray's probes find it lost within seconds (core/liveness.py).
-    up = subprocess.run(
-        ["bash", str(SCRIPT), "up", "3"], env=_env(), capture_output=True, text=True, timeout=300
-    )
-    if up.returncode != 0:
+    try:
+        up = subprocess.run(
+            ["bash", str(SCRIPT), "up", "3"], env=_env(), capture_output=True, text=True, timeout=300
+        )
+    except subprocess.TimeoutExpired as slow:
+        said = f"the namespace cluster was not up within 300 s; its nodes said:\n{_logs()}"
         subprocess.run(["bash", str(SCRIPT), "down"], env=_env(), capture_output=True, timeout=120)
-        pytest.skip(f"the namespace cluster did not come up: {(up.stderr or up.stdout).strip()[-300:]}")
+        raise AssertionError(said) from slow
+    if up.returncode != 0:
+        said = _logs()
+        subprocess.run(["bash", str(SCRIPT), "down"], env=_env(), capture_output=True, timeout=120)
+        pytest.skip(
+            f"the namespace cluster did not come up: {(up.stderr or up.stdout).strip()[-300:]}\n" + said
+        )
     address = re.search(r"RAY_ADDRESS=(\S+)", up.stdout).group(1)
     yield address
     subprocess.run(["bash", str(SCRIPT), "down"], env=_env(), capture_output=True, timeout=120)
@@ -78,7 +106,7 @@ def test_an_unchanged_gloo_program_runs_across_three_machines_in_numeric_ip_orde
 
 def test_submit_runs_a_job_through_the_head_s_dashboard_on_its_namespace_ip(machines):
     # The driver runs as a Ray job on the head (10.77.0.10); its ranks land on all three machines.
-    dashboard = "http://" + machines.replace(":36500", ":36501")
+    dashboard = _dashboard(machines)
     env = drive.user_env(_env(), drop=("RAY_AUTH_MODE",))  # megaray finds the token itself
     # steps=0: the rendezvous check alone, which is what crosses the machines; training is tested elsewhere
     cmd = ["submit", "--address", dashboard, "--", "--job-name", "nssubmit",
@@ -119,7 +147,7 @@ def test_a_node_that_cannot_reach_another_is_named_by_the_doctor_and_at_launch(m
         assert "rank 2 on 10.77.0.11 (" in line and "interface mrw2) cannot reach the rendezvous" in line
         assert "= 10.77.0.9:" in line and "interface mrw1)" in line and "Traceback" not in p.stderr
         assert time.monotonic() - t0 < 60
-        dashboard = "http://" + machines.replace(":36500", ":36501")
+        dashboard = _dashboard(machines)
         assert _left_on_the_cluster(dashboard, "blackhole") == "[] []"
     finally:
         subprocess.run([*route, "del", "blackhole", "10.77.0.9/32"], timeout=30)
@@ -203,7 +231,7 @@ def test_nodes_min_max_shrinks_on_a_cut_link_and_grows_back_when_it_heals(machin
     assert summary["status"] == "succeeded" and summary["progress"]["iteration"] == 80
     last = json.loads(topology.read_text())
     assert last["nodes"]["running"] == 3 and worker in {r["node_ip"] for r in last["ranks"]}
-    dashboard = "http://" + machines.replace(":36500", ":36501")
+    dashboard = _dashboard(machines)
     assert _left_on_the_cluster(dashboard, job) == "[] []"
 
 
@@ -251,7 +279,7 @@ def test_a_cut_link_is_survived_by_relaunching_on_the_machines_left(machines, tm
         ["10.77.0.10", *(ip for ip in WORKERS if ip != cut)]
     ), second
     assert "step 39" in (tmp_path / "survive" / "rank-0.log").read_text()
-    dashboard = "http://" + machines.replace(":36500", ":36501")
+    dashboard = _dashboard(machines)
     assert _left_on_the_cluster(dashboard, "survive") == "[] []"
 
 
@@ -270,5 +298,5 @@ def test_a_cut_link_fails_the_job_fast_naming_the_lost_machine(machines, tmp_pat
         rf"what\s+: its node {re.escape(cut)} \(node id [0-9a-f]{{8}}\) was lost: no answer", out
     ), out[-3000:]
     assert took < 120  # megaray's probes (the message says so); Ray's default health checks alone: ~65 s
-    dashboard = "http://" + machines.replace(":36500", ":36501")
+    dashboard = _dashboard(machines)
     assert _left_on_the_cluster(dashboard, "cutlink") == "[] []"
