@@ -105,13 +105,36 @@ def connected() -> str:
     return ray.get_runtime_context().gcs_address
 
 
+# The ports free_port hands out: below Ray's worker ports (10002-19999) and the kernel's ephemeral
+# range (32768-60999), above Ray's defaults (6379, 8265) and the namespace cluster's head
+# (tests/test_netns.py). A port the kernel picks (bind to 0) is in the ephemeral range, where any
+# outgoing connection on the machine (Ray's gRPC clients open many) can take it between the pick and
+# the test's Ray binding it, and Ray's GCS then exits as it starts (megaray up hit this: its head
+# port now comes from below that range, driver/cluster/up_nodes.py). Each xdist worker draws from a
+# share of its own, and never hands out a port twice.
+_PORTS = range(8300, 10000)
+_HANDED_OUT: set[int] = set()
+
+
 def free_port() -> int:
-    """A port for a test's Ray dashboard, so tests run beside any other Ray on the machine."""
+    """A port for a test's Ray (its GCS, dashboard, agent), free now and not given out before."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    share = _PORTS[worker % workers :: workers]
+    for port in random.sample(share, len(share)):
+        if port in _HANDED_OUT:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))  # every address, no SO_REUSEADDR: as Ray's GCS checks its port
+            except OSError:
+                continue
+        _HANDED_OUT.add(port)
+        return port
+    raise RuntimeError(f"no free port left in {_PORTS.start}-{_PORTS.stop - 1}")
 
 
 def read_ranks(out: Path, name: str, world: int) -> list[dict]:
