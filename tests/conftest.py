@@ -227,26 +227,28 @@ KINDS = {
     "test_up": ("cluster", "slow"),
 }
 
-# Seconds each module took on 2 cores (fresh clone, `--durations`): pytest-xdist hands whole modules
-# to its workers (`--dist loadfile`, so a module's cluster is started once) in this order
-# (`--no-loadscope-reorder`), longest first, so that no long module starts last while the other
-# worker sits idle. FIRST go before them all: the namespace cluster's head (../shared/netns/
-# ray-cluster.sh) takes Ray's default job-agent and client-server ports (52365, 10001), which any other
-# Ray started on this machine with defaults would hold first; beside it run test_ray_start (its
-# clusters take free ports), then modules whose Rays start no client server (a Cluster head, a local
-# ray.init: their job agent goes without its port, which they do not use) until it is done: not
-# `megaray up` (test_up, test_bench), which starts `ray start --head` with the defaults. Last of FIRST,
-# test_addresses: most of its 33 s is waiting out bounded connections (13 CPU-s), which costs nothing
-# beside a module that keeps the cores busy, and left the cores half idle at the run's end.
+# Seconds each module took on 2 cores (a fresh-clone run of 2026-12-01, `-p tests.cpu_per_test`):
+# pytest-xdist hands whole modules to its workers (`--dist loadfile`, so a module's cluster is started
+# once) in this order (`--no-loadscope-reorder`), longest first, so that no long module starts last
+# while the other worker sits idle (test_submit, ranked by last week's figures, ran last in one
+# worker for the run's last 40 s while the other had nothing left).
+# FIRST go before them all: the namespace cluster's head (../shared/netns/ray-cluster.sh) takes Ray's
+# default job-agent and client-server ports (52365, 10001), which any other Ray started on this
+# machine with defaults would hold first; beside it run test_ray_start (its clusters take free ports),
+# then modules whose Rays start no client server (a Cluster head, a local ray.init: their job agent
+# goes without its port, which they do not use) until it is done: not `megaray up` (test_up,
+# test_bench), which starts `ray start --head` with the defaults. Last of FIRST, test_addresses: most
+# of its 33 s is waiting out bounded connections (13 CPU-s), which costs nothing beside a module that
+# keeps the cores busy, and left the cores half idle at the run's end.
 # Without the namespace tests (the fast loop), longest first alone.
 FIRST = (
     "test_netns", "test_ray_start", "test_restarts", "test_one_node", "test_rank_failures", "test_addresses",
 )  # fmt: skip
 SECONDS = {
-    "test_restarts": 289, "test_netns": 175, "test_up": 176, "test_megatron": 166, "test_ray_start": 138,
-    "test_bench": 158, "test_multi_node": 96, "test_rank_failures": 116, "test_process": 77,
-    "test_one_node": 90, "test_metrics": 93, "test_demo": 71, "test_submit": 50, "test_gpu_suite": 52,
-    "test_addresses": 33, "test_examples": 12,
+    "test_restarts": 251, "test_up": 148, "test_netns": 145, "test_bench": 141, "test_megatron": 113,
+    "test_ray_start": 112, "test_rank_failures": 103, "test_multi_node": 82, "test_process": 81,
+    "test_metrics": 77, "test_one_node": 71, "test_demo": 58, "test_submit": 46, "test_gpu_suite": 44,
+    "test_addresses": 31, "test_examples": 16,
 }  # fmt: skip
 
 
