@@ -15,6 +15,8 @@ dir's megaray-acct); the run ends with the table.
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import ctypes
 import os
 import struct
@@ -68,6 +70,12 @@ def pytest_configure(config):
         print(f"cpu_by_process: not counting ({e}; needs root)")
         return
     _on = path
+    atexit.register(_off)  # a run that ends before its summary (Ctrl-C, a crash) turns it off too
+
+
+def _off() -> None:
+    with contextlib.suppress(OSError):
+        _acct(None)
 
 
 def pytest_terminal_summary(terminalreporter, config):
