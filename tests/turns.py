@@ -97,3 +97,17 @@ def turn(alone: bool, own: Path | None, shared_tmp: Path) -> Iterator[None]:
         finally:
             fcntl.flock(lock, fcntl.LOCK_UN)
             fcntl.flock(turnstile, fcntl.LOCK_UN)
+
+
+@contextlib.contextmanager
+def others_lowered(own: Path | None, shared_tmp: Path) -> Iterator[None]:
+    """The other workers lowered for a stretch inside a test that is not `alone` as a whole: a step
+    with a time bound the test does not set (Ray gives a node's raylet 30 s to register, a hard-coded
+    bound that a loaded machine passes). After any `alone` test of the other worker, as those are after
+    each other. Nothing where the turns are locks: the test holds its shared one, and the exclusive
+    one would wait for it for ever."""
+    if own is None:
+        yield
+        return
+    with turn(True, own, shared_tmp):
+        yield
