@@ -55,6 +55,10 @@ def _listening(port: int) -> bool:
         return s.connect_ex(("127.0.0.1", port)) == 0
 
 
+def _down() -> None:
+    subprocess.run(["bash", str(SCRIPT), "down"], env=_env(), capture_output=True, timeout=120)
+
+
 def _up() -> subprocess.CompletedProcess | None:
     """The script's `up 3`; None, with what it started taken down, where a worker's `ray start` gave up
     before its node registered (its log says so; the script would wait for it 90 rounds of `ray list`)."""
@@ -65,20 +69,19 @@ def _up() -> subprocess.CompletedProcess | None:
     )  # fmt: skip
     deadline = time.monotonic() + 300
     while proc.poll() is None:
-        gave_up = [
-            log.name
-            for log in STATE.glob("worker*.log")
-            if log.stat().st_mtime >= started  # this `up`'s: an earlier one's logs are still there
+        gave_up = any(
+            log.stat().st_mtime >= started  # this `up`'s: an earlier one's logs are still there
             and "timed out during startup" in log.read_text(errors="replace")
-        ]
+            for log in STATE.glob("worker*.log")
+        )
         if gave_up or time.monotonic() > deadline:
             proc.kill()  # the script, by the pid this test started; `down` ends its nodes by theirs
             proc.communicate()
+            _down()  # it leaves the nodes' logs
             if not gave_up:
-                said = f"the namespace cluster was not up within 300 s; its nodes said:\n{_logs()}"
-                subprocess.run(["bash", str(SCRIPT), "down"], env=_env(), capture_output=True, timeout=120)
-                raise AssertionError(said)
-            subprocess.run(["bash", str(SCRIPT), "down"], env=_env(), capture_output=True, timeout=120)
+                raise AssertionError(
+                    f"the namespace cluster was not up within 300 s; its nodes said:\n{_logs()}"
+                )
             return None
         time.sleep(1)
     out, err = proc.communicate()
@@ -108,19 +111,19 @@ def machines():
     # that gave up is a second `up`, at once.
     with turns.others_lowered(conftest._own_group, conftest._SHARED_TMP):
         up = _up() or _up()
-    if up is None:
-        said = f"a node of the namespace cluster timed out starting, twice; its nodes said:\n{_logs()}"
-        subprocess.run(["bash", str(SCRIPT), "down"], env=_env(), capture_output=True, timeout=120)
-        raise AssertionError(said)
+    if up is None:  # taken down already; `down` leaves the nodes' logs
+        raise AssertionError(
+            f"a node of the namespace cluster timed out starting, twice; its nodes said:\n{_logs()}"
+        )
     if up.returncode != 0:
         said = _logs()
-        subprocess.run(["bash", str(SCRIPT), "down"], env=_env(), capture_output=True, timeout=120)
+        _down()
         pytest.skip(
             f"the namespace cluster did not come up: {(up.stderr or up.stdout).strip()[-300:]}\n" + said
         )
     address = re.search(r"RAY_ADDRESS=(\S+)", up.stdout).group(1)
     yield address
-    subprocess.run(["bash", str(SCRIPT), "down"], env=_env(), capture_output=True, timeout=120)
+    _down()
 
 
 def test_an_unchanged_gloo_program_runs_across_three_machines_in_numeric_ip_order(machines, tmp_path):
