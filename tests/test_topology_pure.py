@@ -101,6 +101,17 @@ def test_placing_waits_at_most_10_s_on_a_cluster_that_cannot_grow():
     assert wait_s(short, fixed_size=True) == 5.0
 
 
+def test_placing_waits_its_whole_timeout_where_the_room_is_free_on_a_cluster_that_cannot_grow():
+    """Session 42: a dry run on a Ray started for it was refused after 10 s, 'GPU 2/2 free, CPU 2/2
+    free', its placement slow on a loaded machine: the cap is for room another job holds."""
+    from launcher.core.placing import room_wait_s
+
+    assert room_wait_s(120, fixed_size=True, free_fit=2, needed=2, cap_s=10) == 120
+    assert room_wait_s(120, fixed_size=True, free_fit=1, needed=2, cap_s=10) == 10  # one node held
+    assert room_wait_s(5, fixed_size=True, free_fit=0, needed=1, cap_s=10) == 5
+    assert room_wait_s(120, fixed_size=False, free_fit=0, needed=2, cap_s=10) == 120  # it can grow
+
+
 def test_a_relaunch_that_cannot_fit_says_the_minimum_of_the_node_range_it_needed():
     """#46: below MIN after a lost node, the error said '3 node(s)' of --nodes 2:3, the 2 needed unsaid."""
     import dataclasses

@@ -19,7 +19,14 @@ from ray.util.placement_group import (
 
 from ...core.elastic import NodeRange
 from ...core.errors import ResourceError, UsageError
-from ...core.placing import PlaceGoal, feasibility_problem, nodes_that_fit, sort_out, without_autoscaler
+from ...core.placing import (
+    PlaceGoal,
+    feasibility_problem,
+    nodes_that_fit,
+    room_wait_s,
+    sort_out,
+    without_autoscaler,
+)
 from ...core.spec import LaunchSpec
 from ...core.topology import NodeSlot
 from ..cluster import rayprivate
@@ -78,10 +85,12 @@ def describe_lost(exclude: tuple[str, ...]) -> str:
     return f"; left out: the node(s) this job lost, {shown}"
 
 
-def nodes_that_could_fit(spec: LaunchSpec, exclude: tuple[str, ...] = ()) -> int:
-    """How many of the cluster's nodes (but `exclude`) could hold one of the launch's groups, empty."""
-    totals = {k: v for k, v in rayprivate.total_resources_per_node().items() if k not in exclude}
-    return nodes_that_fit(totals, bundle_for(spec), spec.gpus_per_node)
+def nodes_that_could_fit(spec: LaunchSpec, exclude: tuple[str, ...] = (), free: bool = False) -> int:
+    """How many of the cluster's nodes (but `exclude`) could hold one of the launch's groups, empty
+    (or with what is `free` now)."""
+    per_node = rayprivate.available_resources_per_node() if free else rayprivate.total_resources_per_node()
+    kept = {k: v for k, v in per_node.items() if k not in exclude}
+    return nodes_that_fit(kept, bundle_for(spec), spec.gpus_per_node)
 
 
 def groups_of_job(job: str) -> list[str]:
@@ -167,11 +176,12 @@ REMOVERS = 16  # placement groups created, or removed, at once
 FIXED_SIZE_WAIT_S = 10.0  # on a cluster megaray started itself (no autoscaler, no other node to come)
 
 
-def wait_s(spec: LaunchSpec, fixed_size: bool) -> float:
-    """How long placing waits for room: --placement-timeout, at most FIXED_SIZE_WAIT_S on a cluster
-    that cannot grow (it frees room only when a job ends: waiting longer than the bundles of a
-    launch that just ended take to be freed only delays the error)."""
-    return min(spec.placement_timeout_s, FIXED_SIZE_WAIT_S) if fixed_size else spec.placement_timeout_s
+def wait_s(spec: LaunchSpec, fixed_size: bool, free_fit: int = 0, needed: int = 1) -> float:
+    """How long placing waits for room (core/placing.py `room_wait_s`): --placement-timeout, at most
+    FIXED_SIZE_WAIT_S on a cluster that cannot grow unless its free resources already hold the
+    `needed` groups (`free_fit` nodes could hold one now). Without those counts: the wait for room
+    that is not free, what a relaunch's line says it waits."""
+    return room_wait_s(spec.placement_timeout_s, fixed_size, free_fit, needed, FIXED_SIZE_WAIT_S)
 
 
 def place_groups(
@@ -194,8 +204,11 @@ def place_groups(
     asked = min(wanted.max, max(fit, wanted.min)) if fixed_size else wanted.max
     spec = dataclasses.replace(spec, nodes=asked)
     problem = feasibility_problem(fit, wanted.min if wanted.elastic else asked)
+    at_least = wanted.min if wanted.elastic else asked
+    free_fit = nodes_that_could_fit(spec, exclude, free=True) if fixed_size and not problem else 0
+    waits = wait_s(spec, fixed_size, free_fit, asked)  # all it asks free: only a slow placement to wait for
     if wanted.elastic and not problem and fit < asked:
-        wait = f"waiting up to {wait_s(spec, fixed_size):g}s for {asked}, then starting with as many as are"
+        wait = f"waiting up to {waits:g}s for {asked}, then starting with as many as are"
         how = f"{wait} placed" if settle_s is None else f"going on with those placed within {settle_s:g}s"
         log.warning("only %d node(s) of the cluster can hold a group: %s (at least %d)", fit, how, wanted.min)
     if problem and fixed_size:
@@ -215,11 +228,9 @@ def place_groups(
     elif problem:
         log.warning("%s; waiting up to %gs for more nodes", problem, spec.placement_timeout_s)
     before = describe_nodes(exclude)  # what others left free, for the message if we time out
-    waits = wait_s(spec, fixed_size)
     deadline = time.monotonic() + waits
     settle = deadline if settle_s is None else min(deadline, time.monotonic() + settle_s)
     groups = create_groups(spec, name, detached, exclude)
-    at_least = wanted.min if wanted.elastic else asked
     goal = PlaceGoal.of(asked, at_least, fit, settle, deadline, again=settle_s is not None)
     try:
         placed = _place_enough(spec, name, groups, goal, stop, detached, exclude)
