@@ -9,7 +9,10 @@ whatever ran beside it. Module fixtures count in the test that started or stoppe
 Needs root and a cgroup filesystem (v1 `cpuacct` or v2); without them it says so and records nothing.
 Each worker appends `nodeid<TAB>cpu_s<TAB>wall_s<TAB>started` (seconds since the epoch: the two
 workers' lines side by side show when one waited) to `cpu-<worker>.tsv` in MEGARAY_CPU_DIR (default:
-the temp dir); the run ends with the modules' totals.
+the temp dir); the run ends with the modules' totals, then each worker's time outside its tests
+(waits for an `alone` test's turn, between tests) and how long the run went on after its last test:
+one fresh-clone run sat idle for its last ~290 s (2026-12-06, outside every test's phases; not seen
+again), which only a record of the time between tests shows.
 """
 
 from __future__ import annotations
@@ -56,6 +59,8 @@ class _Counter:
 
 
 _counter: _Counter | None = None
+_session_started = time.time()
+GAP_S = 5.0  # time between a worker's two tests worth naming
 
 
 def pytest_configure(config):
@@ -85,15 +90,41 @@ def pytest_terminal_summary(terminalreporter, config):
     if hasattr(config, "workerinput"):
         return
     by_module: dict[str, list[float]] = {}
-    for tsv in _out_dir().glob("cpu-*.tsv"):
+    spans: dict[str, list[tuple[float, float]]] = {}
+    for tsv in sorted(_out_dir().glob("cpu-*.tsv")):
         for line in tsv.read_text().splitlines():
-            nodeid, cpu, wall = line.split("\t")[:3]
+            nodeid, cpu, wall, started = line.split("\t")[:4]
             total = by_module.setdefault(nodeid.split("::")[0], [0.0, 0.0])
             total[0] += float(cpu)
             total[1] += float(wall)
+            spans.setdefault(tsv.stem.removeprefix("cpu-"), []).append((float(started), float(wall)))
     if not by_module:
         return
     terminalreporter.section("CPU-seconds per module (tests/cpu_per_test.py)")
     for module, (cpu, wall) in sorted(by_module.items(), key=lambda kv: -kv[1][0]):
         terminalreporter.write_line(f"{cpu:8.1f} cpu-s {wall:8.1f} s  {module}")
     terminalreporter.write_line(f"{sum(c for c, _ in by_module.values()):8.1f} cpu-s in all")
+    for line in outside_tests(spans, _session_started, time.time()):
+        terminalreporter.write_line(line)
+
+
+def outside_tests(spans: dict[str, list[tuple[float, float]]], began: float, now: float) -> list[str]:
+    """Each worker's time outside its tests (before its first, gaps of GAP_S or more between two,
+    after its last), and the run's time after every worker's last test, from (started, wall) pairs."""
+    lines, ends = [], []
+    for worker, tests in sorted(spans.items()):
+        tests.sort()
+        first, end, gaps = tests[0][0], tests[0][0], []
+        for started, wall in tests:
+            if started - end >= GAP_S:
+                gaps.append(started - end)
+            end = max(end, started + wall)
+        ends.append(end)
+        lines.append(
+            f"{worker}: first test at {first - began:.0f} s, {len(gaps)} gap(s) of {GAP_S:g} s or more "
+            f"between tests ({sum(gaps):.0f} s, the longest {max(gaps, default=0):.0f} s), last test "
+            f"ended at {end - began:.0f} s"
+        )
+    after = now - max(ends)
+    lines.append(f"the run went on {after:.0f} s after its last test ended ({now - began:.0f} s in all)")
+    return lines
