@@ -10,10 +10,8 @@ import time
 from collections.abc import Callable
 
 from ...core.elastic import GrowTo, ScalingPolicy
-from ...core.placing import nodes_that_fit
 from ...core.spec import LaunchSpec
-from ..cluster import rayprivate
-from ..gang.placement import bundle_for
+from ..gang.placement import nodes_that_could_fit
 from .rank_ends import node_lost
 
 log = logging.getLogger("megaray")
@@ -51,12 +49,7 @@ class GrowWatch:
 
     def _look(self, now: float) -> None:
         self._forgive()
-        free = {
-            node_id: res
-            for node_id, res in rayprivate.available_resources_per_node().items()
-            if node_id not in self.held and node_id not in self.lost
-        }
-        more = nodes_that_fit(free, bundle_for(self.spec), self.spec.gpus_per_node)
+        more = nodes_that_could_fit(self.spec, (*self.held, *self.lost), free=True)
         target = self.scaling.grow_to(self.spec.nodes, self.spec.nodes + more)
         if target is None:
             self.room_since, self.target = None, self.spec.nodes
