@@ -152,6 +152,26 @@ def test_rays_private_apis_are_called_from_one_module():
     assert not callers, callers
 
 
+def test_the_dashboard_libraries_are_found_as_ray_imports_them():
+    """A Ray megaray starts asks whether the dashboard's libraries are installed by finding them, not
+    importing them (rayprivate.dashboard_libraries_missing): the same libraries Ray's own check
+    imports, and the same answer."""
+    import importlib.util
+
+    import ray._private.utils as ray_utils
+
+    from launcher.driver.cluster.rayprivate import DASHBOARD_LIBRARIES, dashboard_libraries_missing
+
+    origin = importlib.util.find_spec("ray.dashboard.optional_deps").origin
+    imported = {a.name for n in ast.parse(Path(origin).read_text()).body if isinstance(n, ast.Import)
+                for a in n.names}  # fmt: skip
+    assert set(DASHBOARD_LIBRARIES) <= imported, imported
+    # each of Ray's covered: found itself, or a module of it found, or a package found it is part of
+    assert all(any(m == f or f.startswith(m + ".") or m.startswith(f + ".") for f in DASHBOARD_LIBRARIES)
+               for m in imported), imported  # fmt: skip
+    assert (dashboard_libraries_missing() is None) == (ray_utils.get_dashboard_dependency_error() is None)
+
+
 def test_the_architecture_page_draws_every_state_and_the_folders_as_they_stack():
     """docs/architecture.md is kept true: its diagram names each state of the controller (and no
     other), and its layer table each folder with what it imports."""

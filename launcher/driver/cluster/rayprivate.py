@@ -37,9 +37,13 @@ def only_what_one_launch_uses(*, log_monitor: bool) -> Iterator[None]:
     runs on the machine (a `ray start` cluster, a notebook's Ray) and holds it, the agent tried it six
     times over 3.4 s before it gave its HTTP server up, and the launch took 8 s instead of 4.
 
+    And whether the dashboard's libraries are installed (the agent starts `--minimal` where not) is
+    asked without importing them (`dashboard_libraries_missing`).
+
     `ray.init` passes none of these options to its node. Should an upgrade move these methods, Ray
     starts them as before."""
     try:
+        import ray._private.utils as ray_utils
         from ray._private.node import Node
         from ray._private.ray_constants import DEFAULT_DASHBOARD_AGENT_LISTEN_PORT
     except ImportError:  # pragma: no cover - a Ray without it starts as it always did
@@ -57,15 +61,46 @@ def only_what_one_launch_uses(*, log_monitor: bool) -> Iterator[None]:
             ray_params.dashboard_agent_listen_port = 0  # any free one: Ray's own choice for a port of 0
         own_init(node, ray_params, *args, **kwargs)
 
+    own_check = getattr(ray_utils, "get_dashboard_dependency_error", None)
     for name in names:
         setattr(Node, name, lambda node, **_: None)
     Node.__init__ = init
+    if own_check is not None:
+        ray_utils.get_dashboard_dependency_error = dashboard_libraries_missing
     try:
         yield
     finally:
         for name, method in own.items():
             setattr(Node, name, method)
         Node.__init__ = own_init
+        if own_check is not None:
+            ray_utils.get_dashboard_dependency_error = own_check
+
+
+# What `ray.dashboard.optional_deps` imports (Ray 2.60): Ray's own check imports them all
+DASHBOARD_LIBRARIES = (
+    "aiohttp", "aiohttp_cors", "grpc", "opencensus", "opentelemetry.exporter.prometheus",
+    "opentelemetry.proto", "prometheus_client", "pydantic",
+)  # fmt: skip
+
+
+def dashboard_libraries_missing() -> ImportError | None:
+    """Ray's `get_dashboard_dependency_error`, answered by finding the libraries instead of importing
+    them. Ray asks it as it starts a node's raylet (the dashboard agent starts `--minimal` without
+    them), in the process that starts the node: importing aiohttp, grpc, OpenTelemetry and pydantic
+    took 0.19 s of a launch's driver, and pydantic's import then had Ray's serializers for it and
+    Arrow registered (rank/serialization.py), importing pyarrow, 0.2 s more, both on the way to the
+    ranks' start (2026-12-06, 2 cores). Nothing in the driver uses them."""
+    from importlib.util import find_spec
+
+    for name in DASHBOARD_LIBRARIES:
+        try:
+            found = find_spec(name) is not None
+        except ImportError as e:  # a parent package that is not there
+            return e
+        if not found:
+            return ModuleNotFoundError(f"No module named {name!r}", name=name)
+    return None
 
 
 # -- what Ray's job table shows of this driver ----------------------------------------------------
