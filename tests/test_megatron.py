@@ -435,17 +435,22 @@ def test_recipes_are_found_in_the_checkout_or_a_wheel(tmp_path):
 @pytest.mark.slow  # processes of its own that import Megatron: out of the fast loop
 def test_cpu_adaptation_touches_only_megatron_modules():
     """In a fresh process: the dry run imports megatron-core without torch's compiler (its fused
-    kernels are off in the trainer's config) and torch.compile is left as it was; global torch keeps
-    its CUDA behaviour, megatron modules get the proxy."""
+    kernels are off in the trainer's config) and torch.compile is left as it was, and without the
+    optional packages it never uses, which import again afterwards; global torch keeps its CUDA
+    behaviour, megatron modules get the proxy."""
     import subprocess
 
     code = """
-import sys, torch
-from launcher.megatron.tiny_gpt import import_megatron_core
+import importlib.util, sys, torch
+from launcher.megatron.tiny_gpt import DRY_RUN_NOT_INSTALLED, import_megatron_core
 compile_ = torch.compile
 import_megatron_core()
 assert torch.compile is compile_
 assert "torch._dynamo" not in sys.modules and "torch._inductor" not in sys.modules
+assert not set(DRY_RUN_NOT_INSTALLED) & set(sys.modules), DRY_RUN_NOT_INSTALLED
+for name in DRY_RUN_NOT_INSTALLED:  # where installed (Megatron-Bridge's stack), importable again
+    if importlib.util.find_spec(name) is not None:
+        importlib.import_module(name)
 import megatron.core.utils as mu, megatron.core.pipeline_parallel.schedules as sch
 from megatron.core.tensor_parallel import random
 from launcher.megatron.cpu_megatron import adapt_megatron_to_cpu, CpuRNGStatesTracker

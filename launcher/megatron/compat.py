@@ -25,6 +25,7 @@ import importlib.util
 import logging
 import sys
 import types
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -166,6 +167,23 @@ def torch_compile_left_off():
         yield
     finally:
         torch.compile = compile_
+
+
+@contextlib.contextmanager
+def not_installed(names: tuple[str, ...]) -> Iterator[None]:
+    """While this lasts, `import <name>` fails as it does where the package is not installed
+    (ModuleNotFoundError), for each of `names` not imported already; afterwards it imports again.
+    For optional packages that megatron-core tries at import and goes on without, only where nothing
+    in the process will use them (the dry run's rank: tiny_gpt.py `DRY_RUN_NOT_INSTALLED`)."""
+    left_out = [name for name in names if name not in sys.modules]
+    for name in left_out:
+        sys.modules[name] = None  # type: ignore[assignment]  # Python's own "not importable" mark
+    try:
+        yield
+    finally:
+        for name in left_out:
+            if name in sys.modules and sys.modules[name] is None:
+                del sys.modules[name]
 
 
 def adapt_model_without_te(model: Any) -> list[str]:

@@ -33,18 +33,26 @@ MEGATRON_MODULES = (
 )
 
 
+# Optional packages megatron-core imports if it can and goes on without, which this trainer never
+# uses: the Multi-Storage Client (msc:// checkpoint paths; this trainer saves with torch.save), 0.2-0.3
+# of megatron-core's ~1.5 CPU-s of import in every dry-run rank (2026-12-06, 2 cores). Triton cannot
+# be left out: megatron-core's pipeline schedules import it unconditionally.
+DRY_RUN_NOT_INSTALLED = ("multistorageclient",)
+
+
 def import_megatron_core() -> None:
     """megatron-core for this trainer, without what its import spends on `torch.compile` (its config
-    turns every fusion off, on CPU and GPU alike: compat.py `torch_compile_left_off`). Only in a
-    process that imports megatron-core here first, the dry run's own rank; where megatron-core is
-    already imported (a warm spare, a warm pool, which any program may take) nothing changes."""
+    turns every fusion off, on CPU and GPU alike: compat.py `torch_compile_left_off`) and on optional
+    packages it never uses (`DRY_RUN_NOT_INSTALLED`). Only in a process that imports megatron-core
+    here first, the dry run's own rank; where megatron-core is already imported (a warm spare, a warm
+    pool, which any program may take) nothing changes."""
     if "megatron.core" in sys.modules:
         return
     import importlib
 
-    from .compat import torch_compile_left_off
+    from .compat import not_installed, torch_compile_left_off
 
-    with torch_compile_left_off():
+    with torch_compile_left_off(), not_installed(DRY_RUN_NOT_INSTALLED):
         for name in MEGATRON_MODULES:
             importlib.import_module(name)
 
