@@ -1,13 +1,13 @@
 """CPU-seconds per test, for finding what makes the suite slow: `python -m pytest -p tests.cpu_per_test`.
 
-On 2 cores the suite keeps both busy (its two workers, Ray's daemons, every rank), so a test's wall
+On 2 cores the suite keeps both busy (its workers, Ray's daemons, every rank), so a test's wall
 time says more about what ran beside it than about the test. Here each pytest process (each xdist
 worker) moves into a cgroup of its own, which every process it starts inherits (Ray's daemons,
 drivers, ranks): the cgroup's CPU counter read before and after each test is what that test cost,
 whatever ran beside it. Module fixtures count in the test that started or stopped them.
 
 Needs root and a cgroup filesystem (v1 `cpuacct` or v2); without them it says so and records nothing.
-Each worker appends `nodeid<TAB>cpu_s<TAB>wall_s<TAB>started` (seconds since the epoch: the two
+Each worker appends `nodeid<TAB>cpu_s<TAB>wall_s<TAB>started` (seconds since the epoch: the
 workers' lines side by side show when one waited) to `cpu-<worker>.tsv` in MEGARAY_CPU_DIR (default:
 the temp dir); the run ends with the modules' totals, then each worker's time outside its tests
 (waits for an `alone` test's turn, between tests) and how long the run went on after its last test:

@@ -1,4 +1,4 @@
-"""Whose turn the CPU is, between the two pytest-xdist workers.
+"""Whose turn the CPU is, between the pytest-xdist workers (three on 2 cores: pyproject.toml).
 
 Tests that time ranks against each other (a straggler named, a slow rank dropped, a machine busy on
 purpose, the doctor's bandwidth) are marked `alone`: the other worker's load would starve a rank and
@@ -6,11 +6,11 @@ the test would rightly name it (seen in one of three fresh-clone runs).
 
 Where this machine lets us (root and cgroup v1's `cpu` controller, as on CI's machines), each worker
 runs in a CPU cgroup of its own, which every process it starts inherits (Ray's daemons, drivers,
-ranks, a `megaray up` that left its session): an `alone` test lowers the other workers' CPU weight
-to a quarter of its own while it runs, so where both want a core, its ranks get four fifths of it,
-and the other worker goes on with its tests on what is left instead of waiting. Waiting cost the
-run 75-150 s of one worker's time (its test under way had to end before the `alone` test could
-start, then it sat idle while the `alone` test, which uses 0.7-1.9 cores, ran).
+ranks, a `megaray up` that left its session): an `alone` test lowers the other workers' CPU weights
+to a quarter of its own between them while it runs, so where all want a core, its ranks get four
+fifths of it, and the other workers go on with their tests on what is left instead of waiting.
+Waiting cost the run 75-150 s of one worker's time (its test under way had to end before the
+`alone` test could start, then it sat idle while the `alone` test, which uses 0.7-1.9 cores, ran).
 
 Elsewhere every test holds a shared lock for its whole run (set-up, the module's cluster included,
 and teardown) and an `alone` test holds it exclusively, so the other worker waits between two of its
@@ -28,7 +28,7 @@ from pathlib import Path
 
 _CPU = Path("/sys/fs/cgroup/cpu")
 _SHARES = 1024  # the kernel's default weight
-_LOWERED = _SHARES // 4
+_LOWERED = _SHARES // 4  # the other workers' weight together, while an `alone` test runs
 
 
 def _run() -> str | None:
@@ -61,10 +61,13 @@ def join_own_group() -> Path | None:
 
 
 def _set_others(run: str, own: Path, shares: int) -> None:
-    for group in _CPU.glob(_group(run, "*").name):
-        if group != own:
-            with contextlib.suppress(OSError):  # a worker that ended and took its group
-                (group / "cpu.shares").write_text(str(shares))
+    """Every other worker's weight to `shares`, or, for `_LOWERED`, to their share of it (the kernel
+    takes 2 at least)."""
+    others = [group for group in _CPU.glob(_group(run, "*").name) if group != own]
+    each = shares if shares != _LOWERED else max(2, shares // max(1, len(others)))
+    for group in others:
+        with contextlib.suppress(OSError):  # a worker that ended and took its group
+            (group / "cpu.shares").write_text(str(each))
 
 
 @contextlib.contextmanager
