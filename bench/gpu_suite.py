@@ -39,11 +39,16 @@ import time
 from pathlib import Path
 from typing import Any
 
+from launch_overhead import MODES as LAUNCH_MODES  # bench/, beside this file
+
 from launcher.core.deaths import PF_EXITING, SIGKILL_PENDING
 
 REPO = Path(__file__).resolve().parent.parent
 PY = sys.executable
 ITEMS = ("parity", "cold", "warm", "arch", "restart", "doctor", "overhead")
+# the overhead item's launch modes (bench/launch_overhead.py MODES): its table compares these two; the
+# others (`megaray up`, a Ray started for the run) are asked with --overhead-modes
+OVERHEAD_MODES = ("torchrun", "megaray-attached")
 FIXTURE_QWEN3 = REPO / "tests" / "fixtures" / "hf" / "Qwen--Qwen3-8B"
 
 # What the runs train: Megatron logs every iteration, with its own TFLOP/s/GPU.
@@ -899,13 +904,15 @@ def item_doctor(suite: Suite) -> dict[str, Any]:
     return {"exit_code": s.rc, "output": "\n".join(line for _, line in s.lines)}
 
 
-def item_overhead(suite: Suite, ranks: list[int], layouts: list[str], repeats: int) -> dict[str, Any]:
+def item_overhead(
+    suite: Suite, ranks: list[int], layouts: list[str], repeats: int, modes: tuple[str, ...] = OVERHEAD_MODES
+) -> dict[str, Any]:
     sys.path.insert(0, str(REPO / "bench"))
     import control_plane
     import launch_overhead
 
     launch = launch_overhead.main(["--ranks", *map(str, ranks), "--repeats", str(repeats),
-                                   "--modes", "torchrun", "megaray-attached"])  # fmt: skip
+                                   "--modes", *modes])  # fmt: skip
     control = control_plane.main(["--layouts", *layouts, "--repeats", "1"]) if layouts else {}
     return {"launch": {str(k): v for k, v in launch.items()}, "control": control}
 
@@ -943,6 +950,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--render", type=Path, nargs="+", help="merge these results.json files; run nothing")
     p.add_argument("--budget-s", type=float, default=570, help="stop starting work after this long")
     p.add_argument("--overhead-ranks", type=int, nargs="+", default=[8, 16])
+    p.add_argument("--overhead-modes", default=",".join(OVERHEAD_MODES), help="of the overhead item: a "
+                   "comma-separated subset of " + ",".join(LAUNCH_MODES))  # fmt: skip
     p.add_argument("--control-layouts", nargs="*", default=["8x8"])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--cold-rounds", type=int, default=2, help="of the cold item: rounds per mode")
@@ -960,6 +969,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for flag, attr, known in (
         ("--cold-modes", "cold_modes", COLD_MODES),
         ("--restart-modes", "restart_modes", RESTART_MODES),
+        ("--overhead-modes", "overhead_modes", LAUNCH_MODES),
     ):
         modes = tuple(getattr(args, attr).split(","))
         if bad := sorted(set(modes) - set(known)):
@@ -989,7 +999,9 @@ def main(argv: list[str] | None = None) -> int:
         "arch": lambda: item_arch(suite),
         "restart": lambda: item_restart(suite, args.restart_modes),
         "doctor": lambda: item_doctor(suite),
-        "overhead": lambda: item_overhead(suite, args.overhead_ranks, args.control_layouts, args.repeats),
+        "overhead": lambda: item_overhead(
+            suite, args.overhead_ranks, args.control_layouts, args.repeats, args.overhead_modes
+        ),
     }
     if {"parity", "cold", "warm", "arch", "restart"} & set(args.items):
         suite.run("warm-up", [PY, "-c", WARM_UP], 180)

@@ -9,23 +9,6 @@ from .conftest import REPO
 sys.path.insert(0, str(REPO / "bench"))
 
 
-def test_launch_overhead_runs_every_mode(capsys):
-    """A mode on `megaray up --warm` beside torchrun; torchrun's and the attached one, with
-    control_plane.py, run in tests/test_gpu_suite.py's end-to-end run of the suite's `overhead` item."""
-    import launch_overhead
-
-    # a Ray started for the run is what the one-node tests start anyway; `megaray up` without --warm
-    # is the same measurement on a pool of its own (one `megaray up` here, not two)
-    modes = ["torchrun", "megaray-up-warm"]
-    results = launch_overhead.main(["--ranks", "2", "--repeats", "1", "--modes", *modes])
-    assert set(results[2]) == set(modes)
-    assert all(len(v["seconds"]) == 1 and v["seconds"][0] > 0 for v in results[2].values())
-    assert all(v["rank_cpu"][0] > 0 for v in results[2].values())
-    assert all(v["exit_seconds"][0] >= v["seconds"][0] for v in results[2].values())
-    out = capsys.readouterr().out
-    assert "s vs torchrun" in out and "a rank's CPU by the barrier" in out and "command exited at" in out
-
-
 def test_teardown_measures_both_launchers(capsys):
     import teardown
 

@@ -250,11 +250,17 @@ def test_arguments_and_merging_two_runs(tmp_path, capsys):
 
 @pytest.mark.slow
 def test_the_items_that_need_no_gpu_run_end_to_end_on_cpu(tmp_path):
+    """The doctor and the overhead item, whose launch modes here are the table's two and one on
+    `megaray up --warm` (bench/launch_overhead.py's every kind of launch but the `megaray up` without
+    --warm and a Ray started for the run, which the one-node tests start anyway: formerly also a run
+    of launch_overhead.py of its own in test_bench.py, with a torchrun run of its own)."""
     out = tmp_path / "out"
     results_md = tmp_path / "RESULTS.md"
+    modes = ("torchrun", "megaray-attached", "megaray-up-warm")
     p = subprocess.run(
         [sys.executable, str(REPO / "bench" / "gpu_suite.py"), "--out", str(out), "--only", "doctor,overhead",
-         "--overhead-ranks", "2", "--control-layouts", "2x1", "--repeats", "1", "--results", str(results_md)],
+         "--overhead-ranks", "2", "--control-layouts", "2x1", "--repeats", "1", "--results", str(results_md),
+         "--overhead-modes", ",".join(modes)],
         cwd=REPO, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
@@ -262,9 +268,11 @@ def test_the_items_that_need_no_gpu_run_end_to_end_on_cpu(tmp_path):
     assert results["doctor"]["exit_code"] == 0, results["doctor"]
     assert "all-reduce over 1 ranks (gloo)" in results["doctor"]["output"]
     launch = results["overhead"]["launch"]["2"]
-    assert set(launch) == {"torchrun", "megaray-attached"}
+    assert set(launch) == set(modes)
     assert all(len(v["seconds"]) == 1 and v["seconds"][0] > 0 for v in launch.values())
     assert all(v["rank_cpu"][0] > 0 and v["exit_seconds"][0] >= v["seconds"][0] for v in launch.values())
+    assert "s vs torchrun" in p.stdout and "a rank's CPU by the barrier" in p.stdout, p.stdout[-3000:]
+    assert "command exited at" in p.stdout, p.stdout[-3000:]
     # bench/control_plane.py, end to end (formerly also a test of its own in test_bench.py)
     run = results["overhead"]["control"]["2x1"]["megaray"][0]
     assert 0 < run["placed"] <= run["actors_ready"] <= run["finished"] <= run["torn_down"]
@@ -276,6 +284,12 @@ def test_the_items_that_need_no_gpu_run_end_to_end_on_cpu(tmp_path):
     assert results_md.read_text().endswith(section)
     with tarfile.open(out / "logs.tar.gz") as tar:
         assert "logs/doctor.log" in tar.getnames()
+
+
+def test_an_unknown_overhead_mode_is_refused_before_any_item_runs():
+    with pytest.raises(SystemExit):
+        gpu_suite.parse_args(["--overhead-modes", "torchrun,megaray-fast"])
+    assert gpu_suite.parse_args([]).overhead_modes == ("torchrun", "megaray-attached")
 
 
 def test_a_killed_process_s_way_out_is_read_as_the_node_watch_reads_it():

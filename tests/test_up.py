@@ -303,13 +303,14 @@ def test_pools_run_programs_as_a_cold_start_refill_and_give_back_when_idle(env, 
         ahead = set(again[0]["process"]["preloaded"]) - set(cold[0]["process"]["preloaded"])
         assert "torch" in again[0]["process"]["preloaded"] and "megatron" not in ahead, ahead
         # the pool refilled after that launch (it imports first) gives its bundles back when unclaimed
-        # for --idle-timeout; `megaray list` says so
+        # for --idle-timeout: the pool's processes and its output sink end, and `megaray list` says so
+        # (asked once they have: each `list` is a process that imports Ray)
         deadline = time.monotonic() + 120
+        while workers := ray_workers_of(env["MEGARAY_STATE_DIR"]):
+            assert time.monotonic() < deadline, workers
+            time.sleep(0.5)
         while "given back" not in (listed := megaray(env, "list").stdout):
             assert time.monotonic() < deadline, listed
-            time.sleep(2)
-        while workers := ray_workers_of(env["MEGARAY_STATE_DIR"]):
-            assert time.monotonic() < deadline, workers  # the pool's processes and its output sink end
             time.sleep(1)
         idle_log, after_idle = probe_run(env, tmp_path, "after-idle")
         assert "the warm pool is not there" in idle_log and after_idle == cold
@@ -360,7 +361,10 @@ def a_pool_taken_by_a_launch_whose_driver_was_killed_is_free(env: dict[str, str]
 
     (tmp_path / "sleeps.py").write_text(SLEEPS)
     runs = ["--device", "cpu", "--gpus-per-node", "2", "--runs-dir", str(tmp_path / "runs")]
-    deadline = time.monotonic() + 60  # the pool refilled after the last launch took it
+    deadline = time.monotonic() + 60  # the pool refilled after the last launch took it: its 2 processes
+    while len(ray_workers_of(env["MEGARAY_STATE_DIR"])) < 2:  # first, without a `list` process each time
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
     while "ready: 2 process" not in (listed := megaray(env, "list").stdout):
         assert time.monotonic() < deadline, listed
         time.sleep(0.5)
