@@ -60,11 +60,11 @@ def join_own_group() -> Path | None:
     return group
 
 
-def _set_others(run: str, own: Path, shares: int) -> None:
-    """Every other worker's weight to `shares`, or, for `_LOWERED`, to their share of it (the kernel
-    takes 2 at least)."""
+def _set_others(run: str, own: Path, lowered: bool) -> None:
+    """Every other worker's weight: lowered, their share of `_LOWERED` (the kernel takes 2 at least),
+    else the default again."""
     others = [group for group in _CPU.glob(_group(run, "*").name) if group != own]
-    each = shares if shares != _LOWERED else max(2, shares // max(1, len(others)))
+    each = max(2, _LOWERED // max(1, len(others))) if lowered else _SHARES
     for group in others:
         with contextlib.suppress(OSError):  # a worker that ended and took its group
             (group / "cpu.shares").write_text(str(each))
@@ -84,11 +84,11 @@ def turn(alone: bool, own: Path | None, shared_tmp: Path) -> Iterator[None]:
             return
         with open(f"{base}.alone", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one `alone` test at a time
-            _set_others(run, own, _LOWERED)
+            _set_others(run, own, lowered=True)
             try:
                 yield
             finally:
-                _set_others(run, own, _SHARES)
+                _set_others(run, own, lowered=False)
         return
     with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.lock", "a") as lock:
         fcntl.flock(turnstile, fcntl.LOCK_EX)
