@@ -317,3 +317,37 @@ with EarlyInterrupt().installed() as early:
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert (p.returncode, p.stdout.split()) == (130, ["went", "on", "interrupted"]), p.stderr
     assert p.stderr == ""
+
+
+def test_an_error_left_by_a_ctrl_c_an_import_swallowed_is_the_ctrl_c():
+    """A fresh-clone run: Ctrl-C 3 s into `--check`'s bridge import was lost inside it, cut numpy's
+    set-up short, and the next import failed with an AttributeError: a traceback and exit 1 where
+    one line and 130 were due. Here a `__del__` takes the signal and an error follows."""
+    import subprocess
+    import sys
+
+    code = """
+import os, signal, sys
+from launcher.driver.lifecycle.stop import EarlyInterrupt
+
+class Dies:
+    def __del__(self):
+        os.kill(os.getpid(), signal.SIGINT)
+        for _ in range(10000):
+            pass
+
+try:
+    with EarlyInterrupt().installed():
+        Dies()
+        raise AttributeError("module 'numpy._core' has no attribute '_multiarray_umath'")
+except KeyboardInterrupt as e:
+    print("interrupted", e.__cause__, e.__suppress_context__)
+    sys.exit(130)
+"""
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert (p.returncode, p.stdout.split()) == (130, ["interrupted", "None", "True"]), p.stderr
+    assert p.stderr == ""
+    from launcher.driver.lifecycle.stop import EarlyInterrupt
+
+    with pytest.raises(AttributeError), EarlyInterrupt().installed():  # no Ctrl-C: an error is itself
+        raise AttributeError("x")

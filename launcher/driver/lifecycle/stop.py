@@ -68,7 +68,10 @@ class EarlyInterrupt:
     weakref callback or a `__del__` (imports run many), it is printed as "Exception ignored" and lost.
     Seen in CI: Ctrl-C 3 s into the preflight, and the preflight went on and the job launched. This
     handler raises it the same way and also remembers it, so `check()` at the next step raises it
-    again, and the lost one's traceback is not printed.
+    again, and the lost one's traceback is not printed. A Ctrl-C lost that way can also have cut an
+    import short, so that the next import fails on what it left (a fresh-clone run, 3 s into
+    bridge's import under `--check`: numpy half set up, then an AttributeError's traceback and exit
+    1): any error that leaves the block once a Ctrl-C came is the Ctrl-C's, and is raised as it.
     """
 
     def __init__(self):
@@ -97,6 +100,10 @@ class EarlyInterrupt:
         sys.unraisablehook = hook
         try:
             yield self
+        except Exception:
+            if self.received:  # what the Ctrl-C broke, before `check()` could say it came
+                raise KeyboardInterrupt from None
+            raise
         finally:
             signal.signal(signal.SIGINT, old_handler)
             sys.unraisablehook = old_hook
