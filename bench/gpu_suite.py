@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from launch_overhead import MODES as LAUNCH_MODES  # bench/, beside this file
+import launch_overhead  # bench/, beside this file, as are the other bench modules the items import
 
 from launcher.core.deaths import PF_EXITING, SIGKILL_PENDING
 
@@ -618,7 +618,6 @@ def item_cold(suite: Suite, rounds: int, modes: tuple[str, ...] = COLD_MODES) ->
     """`gpt_small` to its first iteration, torchrun and megaray alternately first (`cold_order`), in
     `rounds` rounds per mode: megaray starting its own Ray, then attached to one started here (as a
     cluster's users run it). Nothing is imported ahead in either."""
-    sys.path.insert(0, str(REPO / "bench"))
     from common import ray_cluster
 
     out: dict[str, Any] = {
@@ -893,7 +892,6 @@ def item_restart(suite: Suite, modes: tuple[str, ...] = RESTART_MODES) -> dict[s
 
 
 def item_doctor(suite: Suite) -> dict[str, Any]:
-    sys.path.insert(0, str(REPO / "bench"))
     from common import ray_cluster
 
     gpus = 1 if shutil.which("nvidia-smi") else 0
@@ -907,9 +905,7 @@ def item_doctor(suite: Suite) -> dict[str, Any]:
 def item_overhead(
     suite: Suite, ranks: list[int], layouts: list[str], repeats: int, modes: tuple[str, ...] = OVERHEAD_MODES
 ) -> dict[str, Any]:
-    sys.path.insert(0, str(REPO / "bench"))
     import control_plane
-    import launch_overhead
 
     launch = launch_overhead.main(["--ranks", *map(str, ranks), "--repeats", str(repeats),
                                    "--modes", *modes])  # fmt: skip
@@ -951,7 +947,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--budget-s", type=float, default=570, help="stop starting work after this long")
     p.add_argument("--overhead-ranks", type=int, nargs="+", default=[8, 16])
     p.add_argument("--overhead-modes", default=",".join(OVERHEAD_MODES), help="of the overhead item: a "
-                   "comma-separated subset of " + ",".join(LAUNCH_MODES))  # fmt: skip
+                   "comma-separated subset of " + ",".join(launch_overhead.MODES))  # fmt: skip
     p.add_argument("--control-layouts", nargs="*", default=["8x8"])
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--cold-rounds", type=int, default=2, help="of the cold item: rounds per mode")
@@ -969,7 +965,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for flag, attr, known in (
         ("--cold-modes", "cold_modes", COLD_MODES),
         ("--restart-modes", "restart_modes", RESTART_MODES),
-        ("--overhead-modes", "overhead_modes", LAUNCH_MODES),
+        ("--overhead-modes", "overhead_modes", launch_overhead.MODES),
     ):
         modes = tuple(getattr(args, attr).split(","))
         if bad := sorted(set(modes) - set(known)):
