@@ -13,7 +13,7 @@ import pytest
 from launcher.core.elastic import GrowTo
 from launcher.core.errors import Interrupted, RankFailedError, RankFailure
 from launcher.core.poll import AllReturned, RanksFailed, StillRunning
-from launcher.driver.lifecycle.stop import StopSignal
+from launcher.driver.lifecycle.stop import EarlyInterrupt, StopSignal
 from launcher.driver.supervision.supervise import (
     PEER_WAIT_S,
     POLL_S,
@@ -347,7 +347,5 @@ except KeyboardInterrupt as e:
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert (p.returncode, p.stdout.split()) == (130, ["interrupted", "None", "True"]), p.stderr
     assert p.stderr == ""
-    from launcher.driver.lifecycle.stop import EarlyInterrupt
-
     with pytest.raises(AttributeError), EarlyInterrupt().installed():  # no Ctrl-C: an error is itself
         raise AttributeError("x")
