@@ -31,7 +31,11 @@ _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
 
 
 def _out_dir() -> Path:
-    return Path(os.environ.get("MEGARAY_CPU_DIR") or tempfile.gettempdir())
+    """MEGARAY_CPU_DIR, made if missing (a run that named a new one lost its workers to an internal
+    error at the first test's record)."""
+    out = Path(os.environ.get("MEGARAY_CPU_DIR") or tempfile.gettempdir())
+    out.mkdir(parents=True, exist_ok=True)
+    return out
 
 
 class _Counter:
