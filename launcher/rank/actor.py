@@ -44,6 +44,7 @@ from .probes import (
 )
 from .serialization import in_a_ray_worker, serializers_when_imported
 from .spool import exit_mark, log_dir, mark_exit, mark_os_exit_zero, oom_kills
+from .teardown import freeze_for_teardown
 
 if in_a_ray_worker():  # a rank's process, taking its class before its first arguments
     serializers_when_imported()
@@ -64,7 +65,9 @@ def error_file(spool: str) -> str:
 
 def mark_exits(spool: str) -> None:
     """Leave a mark when the process exits (registered before the program's atexit handlers: it runs
-    after them), and on the program's os._exit(0), a success too (rank/spool.py)."""
+    after them), and on the program's os._exit(0), a success too (rank/spool.py); and, after the
+    program's handlers too, make the interpreter's teardown cheap (rank/teardown.py)."""
+    atexit.register(freeze_for_teardown)
     atexit.register(mark_exit, exit_mark(spool))
     mark_os_exit_zero(exit_mark(spool))
 
