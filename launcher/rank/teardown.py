@@ -10,7 +10,7 @@ after them): a full collection of what is garbage by then, finalizers run as Pyt
 (none where the program turned the collector off, as Python does then), and
 then every object left is moved out of the collector's sight (`gc.freeze`), so the teardown's
 passes find nothing to walk: 0.80-0.90 CPU-s from a torch program's return to its process's end
-became 0.36-0.39.
+became 0.34-0.41, 2.64 with Megatron-Bridge imported became 0.85 (bench/RESULTS.md).
 
 What differs from a plain process's end: an object that only becomes unreachable while the
 interpreter clears the modules, inside a reference cycle, is not finalized (its `__del__` does not
