@@ -31,11 +31,7 @@ _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
 
 
 def _out_dir() -> Path:
-    """MEGARAY_CPU_DIR, made if missing (a run that named a new one lost its workers to an internal
-    error at the first test's record)."""
-    out = Path(os.environ.get("MEGARAY_CPU_DIR") or tempfile.gettempdir())
-    out.mkdir(parents=True, exist_ok=True)
-    return out
+    return Path(os.environ.get("MEGARAY_CPU_DIR") or tempfile.gettempdir())
 
 
 class _Counter:
@@ -69,6 +65,9 @@ GAP_S = 5.0  # time between a worker's two tests worth naming
 
 def pytest_configure(config):
     global _counter
+    # made if missing, once per process (a run that named a new one lost its workers to an internal
+    # error at the first test's record)
+    _out_dir().mkdir(parents=True, exist_ok=True)
     if not hasattr(config, "workerinput"):  # the run's first process: an earlier run's counts go
         for old in _out_dir().glob("cpu-*.tsv"):
             old.unlink()
