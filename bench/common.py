@@ -98,10 +98,12 @@ def throttle(pid: int, until: threading.Event, busy_s: float = 0.015, stopped_s:
 @contextlib.contextmanager
 def _cpu_quota(pid: int, busy_s: float, period_s: float) -> Iterator[bool]:
     """`pid` in a child of its cgroup v1 `cpu` group with a quota of `busy_s` per `period_s`, moved
-    back and the child removed afterwards; yields False where no such group could be made."""
+    back and the child removed afterwards; yields False where no such group could be made. The
+    controller may share its hierarchy (`cpu,cpuacct`, as systemd mounts it: /sys/fs/cgroup/cpu is
+    then a link to it)."""
     try:
         path = next(line.split(":", 2)[2] for line in Path(f"/proc/{pid}/cgroup").read_text().splitlines()
-                    if line.split(":", 2)[1] == "cpu")  # fmt: skip
+                    if "cpu" in line.split(":", 2)[1].split(","))  # fmt: skip
     except (OSError, StopIteration):
         yield False
         return
