@@ -527,6 +527,25 @@ def test_real_data_made_by_megatron_preprocessing_trains_the_dry_run_and_passes_
     assert first > 6.5 and last < first - 0.5  # from ln(1024) = 6.93, the tokenizer's vocabulary
 
 
+def test_the_exit_signal_is_a_flag_while_training_and_the_old_handler_after():
+    """The dry run's `exit_signal_handler=true` (megatron/exit_signal.py): SIGTERM sets a flag instead of
+    ending the process, and the handler that was there before is back afterwards."""
+    import os
+    import signal
+
+    from launcher.megatron.exit_signal import ExitSignal
+
+    before = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        with ExitSignal() as stop:
+            assert not stop.received
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stop.received
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 class Forwarder:
     """Takes a rank's samples as its node's forwarder does (`forwarder.sample.remote(s)`)."""
 

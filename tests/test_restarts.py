@@ -337,11 +337,14 @@ def test_a_slow_rank_is_named_and_its_node_dropped_at_the_next_checkpoint_and_ke
     the 2 others (not counted against --max-restarts, which is 0), resumes from that checkpoint (no
     step after it lost), never places on the slow node again, and ends with exit 0. The ledger puts
     the slow stretch under straggler and the relaunch under restarts. (Formerly two runs: a slow rank
-    named on one node, then dropped.)"""
+    named on one node, then dropped.) The trainer takes SIGTERM as Megatron-Bridge's
+    `exit_signal_handler` does (a checkpoint at the next step, then exit 0): megaray's stop of the
+    first attempt lets it save, and once resumed the test sends the relaunched ranks SIGTERM, so that
+    the run ends at any pace, not after the ~250 steps a slow machine had left (~25 s of 2 ranks)."""
     runs, ckpt, job = tmp_path / "runs", tmp_path / "ckpt", "evict"
     args = (
         "--nodes 2:3 --gpus-per-node 1 --device cpu --cpus-per-rank 0.5 --no-spares --evict-stragglers 5 "
-        f"--dry-run steps=450 save={ckpt} save_every=10 global_batch=24"
+        f"--dry-run steps=450 save={ckpt} save_every=10 global_batch=24 exit_signal_handler=true"
     )
     proc = driver(cluster, job, runs, args)
     topology = runs / job / "topology.json"
@@ -361,6 +364,7 @@ def test_a_slow_rank_is_named_and_its_node_dropped_at_the_next_checkpoint_and_ke
     throttler = threading.Thread(target=slow_after_balance, daemon=True)
     throttler.start()
     lines: list[str] = []
+    stopping: list[str] = []
     try:
         for line in proc.stdout:
             lines.append(line)
@@ -368,6 +372,10 @@ def test_a_slow_rank_is_named_and_its_node_dropped_at_the_next_checkpoint_and_ke
                 training.set()  # the first is shown as it comes
             if " is slow: " in line:
                 named.set()
+            if "resumed from checkpoint at iteration " in line and not stopping:  # the relaunched rank 0
+                stopping.append(line)  # once: a second SIGTERM after the training ended would kill a rank
+                for rank in json.loads(topology.read_text())["ranks"]:
+                    os.kill(rank["pid"], signal.SIGTERM)
         proc.wait(timeout=300)
     finally:
         training.set()
@@ -390,7 +398,11 @@ def test_a_slow_rank_is_named_and_its_node_dropped_at_the_next_checkpoint_and_ke
     log = (runs / job / "rank-0.log").read_text()
     before, after = log.split("resumed from checkpoint at iteration ")
     saved = [int(n) for n in re.findall(r"saved checkpoint at iteration (\d+)", before)]
-    assert int(after.split()[0]) == max(saved), after[:200]  # the checkpoint that triggered the drop
+    # the last one saved: the checkpoint that triggered the drop, or the one the trainer saved on the
+    # SIGTERM that megaray's stop of the first attempt sent (--kill-grace 5 s), no step lost either way
+    assert int(after.split()[0]) == max(saved), after[:200]
+    stopped = re.search(r"exiting program after receiving SIGTERM at iteration (\d+)\.", after)
+    assert stopped and f"saved checkpoint at iteration {stopped.group(1)} " in after, after[-2000:]
     relaunched = json.loads(topology.read_text())
     assert relaunched["nodes"]["running"] == 2, relaunched
     assert set(relaunched) == documented_fields("topology.json"), relaunched.keys()

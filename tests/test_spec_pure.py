@@ -62,6 +62,8 @@ def test_spec_from_args_reads_the_torchrun_shape(tmp_path):
         (["--address", "http://[::1", "--dry-run"], "is a dashboard's URL"),
         (["--dry-run", "steps=-1"], "--dry-run 'steps=-1': steps must be at least 0"),
         (["--dry-run", "save_every=0"], "--dry-run 'save_every=0': save_every must be at least 1"),
+        (["--dry-run", "exit_signal_handler=maybe"],
+         "--dry-run 'exit_signal_handler=maybe': exit_signal_handler must be true or false"),
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv, message, capsys):
@@ -178,6 +180,13 @@ def test_what_follows_a_module_is_the_modules_as_under_python_and_torchrun():
     for argv in (["-m"], ["-m", "--lr", "1"]):
         with pytest.raises(UsageError, match="-m needs a module name"):
             spec_from_args(argv)
+
+
+def test_dry_run_switches_take_megatron_bridges_words_for_yes_and_no():
+    from launcher.core.target import parse_dry_run_options
+
+    for word, value in (("true", True), ("1", True), ("On", True), ("false", False), ("0", False)):
+        assert parse_dry_run_options([f"exit_signal_handler={word}"]) == {"exit_signal_handler": value}
 
 
 def test_the_help_lists_every_dry_run_option():

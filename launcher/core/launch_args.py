@@ -62,7 +62,8 @@ def build_parser(epilog: str | None = None) -> argparse.ArgumentParser:
         help="run a gloo init/all-reduce/barrier check on every rank instead of a program, then (where "
         "megatron-core is installed) a tiny Megatron GPT; its options go after it: steps=N (default 20; 0: "
         "the check alone), save=DIR, save_every=N, data=PREFIX (a Megatron indexed dataset), tp=N, pp=N, "
-        "global_batch=N; with no cluster address, the nodes are simulated on this machine",
+        "global_batch=N, exit_signal_handler=true (SIGTERM: a checkpoint, then exit 0, as "
+        "Megatron-Bridge's); with no cluster address, the nodes are simulated on this machine",
     )
     p.add_argument("--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
     p.add_argument("--job-name", help="name for the placement groups and actors (default: generated)")

@@ -55,16 +55,31 @@ class Target:
 DRY_RUN_TARGET = Target(TargetKind.DRYRUN, "launcher.megatron.dryrun:check_and_train")
 GROUP_TARGET = Target(TargetKind.GROUP, "rank group")
 
+
+def on_or_off(value: str) -> bool:
+    """A yes/no dry-run option: 1/true/on or 0/false/off, as Megatron-Bridge's overrides take booleans."""
+    word = value.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(value)
+
+
+# exit_signal_handler: as Megatron-Bridge's `train.exit_signal_handler`, SIGTERM to any rank stops the
+# training at the next step on every rank, with a checkpoint where `save` is given, and exit 0
 DRY_RUN_OPTIONS = {
     "steps": int, "save": str, "save_every": int, "data": str, "tp": int, "pp": int, "global_batch": int,
+    "exit_signal_handler": on_or_off,
 }  # fmt: skip
 
 
 def parse_dry_run_options(args: list[str] | tuple[str, ...]) -> dict[str, Any]:
-    """`--dry-run steps=40 save=DIR save_every=5 data=PREFIX tp=1 pp=2 global_batch=16`: the tiny
-    trainer's length (steps=0: no training, the rendezvous check alone, Megatron never imported),
-    checkpoints, a Megatron indexed dataset (PREFIX.bin/.idx) to train on instead of counting
-    sequences, its layout, and the sequences a step takes over all its DP ranks."""
+    """`--dry-run steps=40 save=DIR save_every=5 data=PREFIX tp=1 pp=2 global_batch=16
+    exit_signal_handler=true`: the tiny trainer's length (steps=0: no training, the rendezvous check
+    alone, Megatron never imported), checkpoints, a Megatron indexed dataset (PREFIX.bin/.idx) to train
+    on instead of counting sequences, its layout, the sequences a step takes over all its DP ranks,
+    and whether SIGTERM stops it gracefully (Megatron-Bridge's `train.exit_signal_handler`)."""
     options: dict[str, Any] = {}
     for item in args:
         key, sep, value = item.partition("=")
@@ -75,7 +90,8 @@ def parse_dry_run_options(args: list[str] | tuple[str, ...]) -> dict[str, Any]:
         try:
             options[key] = DRY_RUN_OPTIONS[key](value)
         except ValueError:
-            raise ValueError(f"--dry-run {item!r}: {key} must be {DRY_RUN_OPTIONS[key].__name__}") from None
+            kind = "true or false" if DRY_RUN_OPTIONS[key] is on_or_off else DRY_RUN_OPTIONS[key].__name__
+            raise ValueError(f"--dry-run {item!r}: {key} must be {kind}") from None
         least = 0 if key == "steps" else 1  # steps=0: the rendezvous check alone, no training
         if DRY_RUN_OPTIONS[key] is int and options[key] < least:
             raise ValueError(f"--dry-run {item!r}: {key} must be at least {least}")

@@ -8,6 +8,7 @@ The data is learnable (each sequence counts up from a random start), so the loss
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 from datetime import timedelta
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..rank.capture import report
+from .exit_signal import ExitSignal
 from .steptimes import timed
 
 MICRO_BATCH = 4
@@ -100,12 +102,15 @@ def train(
     tp: int | None = None,
     pp: int | None = None,
     global_batch: int | None = None,
+    exit_signal_handler: bool = False,
 ) -> dict[str, Any]:
     """Train; with `save`, checkpoint every `save_every` steps and resume from the latest one there
     (at another DP size too: the model and optimizer are the same on every DP rank); with `data`, on
     the tokens of a Megatron indexed dataset (`data`.bin/.idx, as Megatron's preprocessing writes it)
     instead of counting sequences. `tp`/`pp` fix the layout (`resolve_layout`), `global_batch` the
-    sequences a step takes over all DP ranks (micro-batches per rank follow from the DP size)."""
+    sequences a step takes over all DP ranks (micro-batches per rank follow from the DP size).
+    `exit_signal_handler`: SIGTERM to any rank ends the training at the next step on every rank, with
+    a checkpoint where `save` is given, as Megatron-Bridge's option of that name (exit_signal.py)."""
     import torch
     import torch.distributed as dist
 
@@ -130,8 +135,8 @@ def train(
         if global_batch is not None:
             microbatches = global_batch // (micro_batch * (world // (tp * pp)))
         shape = (seq, vocab, hidden, heads, layers, micro_batch, microbatches)
-        with quiet_megatron():
-            return _train(steps, shape, (tp, pp), lr, ckpt, corpus)
+        with quiet_megatron(), ExitSignal() if exit_signal_handler else contextlib.nullcontext() as stop:
+            return _train(steps, shape, (tp, pp), lr, ckpt, corpus, stop)
     finally:
         from megatron.core import parallel_state
 
@@ -204,7 +209,7 @@ def _read_corpus(prefix: str):
     return torch.from_numpy(np.concatenate([ds[i] for i in range(len(ds))]).astype(np.int64))
 
 
-def _train(steps, shape, layout, lr, ckpt, corpus=None) -> dict[str, Any]:
+def _train(steps, shape, layout, lr, ckpt, corpus=None, stop: ExitSignal | None = None) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -324,6 +329,7 @@ def _train(steps, shape, layout, lr, ckpt, corpus=None) -> dict[str, Any]:
         and parallel_state.get_tensor_model_parallel_rank() == 0
         and parallel_state.get_data_parallel_rank() == 0
     )
+    last = steps  # where the training ended: `steps`, or earlier on an exit signal
     for step in range(first, steps):
         ddp.zero_grad_buffer()
         optimizer.zero_grad()
@@ -342,9 +348,15 @@ def _train(steps, shape, layout, lr, ckpt, corpus=None) -> dict[str, Any]:
             losses.append(float(sum(o["lm loss"] for o in out)))
             if reporter:  # one rank tells the driver, as Megatron logs on one rank
                 report(step + 1, steps, losses[-1], tokens=micro_batch * microbatches * dp * seq)
-        if ckpt and (step + 1) % ckpt.every == 0 and step + 1 < steps:
+        last = step + 1
+        stopping = stop is not None and stop.agreed()
+        if ckpt and (stopping or (last % ckpt.every == 0 and last < steps)):
             state = {"model": ddp.state_dict(), "optimizer": optimizer.state_dict(), "data": gen.get_state()}
             state["dp"] = dp
-            ckpt.save(step + 1, part, state)
+            ckpt.save(last, part, state)
+        if stopping:
+            if rank == 0:  # Bridge's words (training/train.py), with the iteration
+                print(f"exiting program after receiving SIGTERM at iteration {last}.", flush=True)
+            break
     return {"rank": rank, "tp": tp, "pp": pp, "dp": dp, "dp_rank": dp_rank, "losses": losses or None,
-            "first_iteration": first, "iterations": steps}  # fmt: skip
+            "first_iteration": first, "iterations": last}  # fmt: skip
