@@ -4,6 +4,7 @@ and remove nodes while they run."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -85,9 +86,9 @@ def cluster():
     stop_simulated(c)  # as megaray stops its own: a second of Ray's stop saved
 
 
-def driver(cluster, job: str, runs: Path, args: str) -> subprocess.Popen:
+def driver(cluster, job: str, runs: Path, args: str, log: Path | None = None) -> subprocess.Popen:
     return drive.start(
-        "--job-name", job, "--address", cluster.address, "--runs-dir", str(runs), *args.split()
+        "--job-name", job, "--address", cluster.address, "--runs-dir", str(runs), *args.split(), log=log
     )
 
 
@@ -420,21 +421,35 @@ def test_nodes_min_max_starts_on_what_the_cluster_holds_and_goes_on_with_fewer_a
     """`--nodes 1:3` on a cluster of 2 nodes that can hold a group: after --placement-timeout it runs on
     2, TP 2 x DP 2 (the global batch kept for every size); a node lost with no replacement relaunches
     at once on the one left, which resumes from the last checkpoint at DP 1; exit 0, nothing left.
-    Last in this module: it leaves the cluster a node short."""
-    runs, ckpt = tmp_path / "runs", tmp_path / "ckpt"
-    job = "elastic"
+    Last in this module: it leaves the cluster a node short.
+
+    The ranks are held still (SIGSTOP: a stopped rank is not a lost node) from the first checkpoint
+    until megaray relaunches, so the run cannot end before the lost node is found, however fast the
+    machine: it ran 25 steps (20 of them at DP 1, 12 micro-batches a rank) to leave a fast one room."""
+    runs, ckpt, said = tmp_path / "runs", tmp_path / "ckpt", tmp_path / "driver.out"
+    job, steps = "elastic", 15
     args = (
         "--nodes 1:3 --gpus-per-node 2 --max-restarts 1 --no-spares --placement-timeout 5 "
-        f"--dry-run steps=25 save={ckpt} save_every=5 tp=2 pp=1 global_batch=48"
+        f"--dry-run steps={steps} save={ckpt} save_every=5 tp=2 pp=1 global_batch=48"
     )
-    proc = driver(cluster, job, runs, args)
+    proc = driver(cluster, job, runs, args, log=said)
     wait_for_line(runs / job / "rank-0.log", r"saved checkpoint at iteration 5\b", proc, timeout_s=240)
     topology = json.loads((runs / job / "topology.json").read_text())
-    assert topology["nodes"] == {
-        "asked": "1:3", "running": 2, "why": "2 of 3 node(s): the cluster holds 2"
-    } and len(topology["ranks"]) == 4  # fmt: skip
-    cluster.remove_node(_node_of_rank(cluster, runs, job, 3))
-    out, _ = proc.communicate(timeout=300)
+    held = [r["pid"] for r in topology["ranks"]]
+    for pid in held:
+        os.kill(pid, signal.SIGSTOP)
+    try:
+        assert topology["nodes"] == {
+            "asked": "1:3", "running": 2, "why": "2 of 3 node(s): the cluster holds 2"
+        } and len(topology["ranks"]) == 4  # fmt: skip
+        cluster.remove_node(_node_of_rank(cluster, runs, job, 3))
+        wait_for_line(said, r"restart 1 of 1 after", proc)
+    finally:
+        for pid in held:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+    proc.wait(timeout=300)
+    out = said.read_text()
     assert proc.returncode == 0, out[-5000:]
     assert "restart 1 of 1 after: rank" in out and "at least 1" in out, out[-5000:]
     assert "job elastic runs on 1 of 3 node(s)" in out, out[-5000:]
@@ -446,5 +461,5 @@ def test_nodes_min_max_starts_on_what_the_cluster_holds_and_goes_on_with_fewer_a
     topology = json.loads((runs / job / "topology.json").read_text())
     assert topology["nodes"]["running"] == 1 and len(topology["ranks"]) == 2
     trained = re.search(r"TP 2 x PP 1 x DP 1: loss [\d.]+ -> [\d.]+ over (\d+) steps", out)
-    assert trained and int(trained.group(1)) == 25 - resumed, out[-3000:]
+    assert trained and int(trained.group(1)) == steps - resumed, out[-3000:]
     assert leftovers(job) == ([], [])
