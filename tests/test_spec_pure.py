@@ -62,8 +62,10 @@ def test_spec_from_args_reads_the_torchrun_shape(tmp_path):
         (["--address", "http://[::1", "--dry-run"], "is a dashboard's URL"),
         (["--dry-run", "steps=-1"], "--dry-run 'steps=-1': steps must be at least 0"),
         (["--dry-run", "save_every=0"], "--dry-run 'save_every=0': save_every must be at least 1"),
-        (["--dry-run", "exit_signal_handler=maybe"],
-         "--dry-run 'exit_signal_handler=maybe': exit_signal_handler must be true or false"),
+        (
+            ["--dry-run", "exit_signal_handler=maybe"],
+            "--dry-run 'exit_signal_handler=maybe': exit_signal_handler must be true or false",
+        ),
     ],
 )
 def test_bad_input_exits_2_with_one_line(argv, message, capsys):
