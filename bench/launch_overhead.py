@@ -102,17 +102,19 @@ def measure(
     times: dict[str, list[float]] = {m: [] for m in modes}
     cpus: dict[str, list[float]] = {m: [] for m in modes}
     exits: dict[str, list[float]] = {m: [] for m in modes}
-    for _ in range(repeats):
-        for mode, cmd in modes.items():
-            if to_first_step:
-                times[mode].append(first_step(cmd, mode != "torchrun"))
-            else:
-                seconds, cpu, exited = one(cmd, n)
-                times[mode].append(seconds)
-                cpus[mode].append(cpu)
-                exits[mode].append(exited)
-            if mode in ("megaray-up", "megaray-up-warm"):  # its refill done before the next measurement
-                pool_ready(warm if mode == "megaray-up-warm" else state)
+    order = [mode for _ in range(repeats) for mode in modes]
+    for i, mode in enumerate(order):
+        cmd = modes[mode]
+        if to_first_step:
+            times[mode].append(first_step(cmd, mode != "torchrun"))
+        else:
+            seconds, cpu, exited = one(cmd, n)
+            times[mode].append(seconds)
+            cpus[mode].append(cpu)
+            exits[mode].append(exited)
+        # its refill done before the next measurement; after the last one, `megaray down` ends it
+        if mode in ("megaray-up", "megaray-up-warm") and i + 1 < len(order):
+            pool_ready(warm if mode == "megaray-up-warm" else state)
     base = median(times["torchrun"])
     to = ", to the dry-run trainer's first step" if to_first_step else ""
     print(f"{n} ranks{to}:", flush=True)
@@ -134,9 +136,11 @@ def measure(
     }
 
 
-def pool_ready(state: str, timeout: float = 180) -> None:
+def pool_ready(state: str, timeout: float = 180, every_s: float = 2.0) -> None:
     """Wait until the pool of the `megaray up` in `state` is ready (refilled after the last launch):
-    a refill in the background would otherwise take CPU from whatever is measured meanwhile."""
+    a refill in the background would otherwise take CPU from whatever is measured meanwhile. Asked
+    every `every_s`: each `megaray list` is a process that imports Ray (~0.6 CPU-s), which a refill
+    importing torch on 2 cores shares them with."""
     env = {**clean_env(), "MEGARAY_STATE_DIR": state}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -145,7 +149,7 @@ def pool_ready(state: str, timeout: float = 180) -> None:
         if ", ready: " in p.stdout:
             time.sleep(1)  # its output sink, started beside it
             return
-        time.sleep(1)
+        time.sleep(every_s)
     raise RuntimeError(f"the pool of `megaray up` in {state} was not ready within {timeout:g} s")
 
 
