@@ -367,7 +367,7 @@ def test_a_slow_rank_is_named_and_its_node_dropped_at_the_next_checkpoint_and_ke
     throttler = threading.Thread(target=slow_after_balance, daemon=True)
     throttler.start()
     lines: list[str] = []
-    stopping: list[str] = []
+    sent_sigterm = False  # to the relaunched ranks, once
     try:
         for line in proc.stdout:
             lines.append(line)
@@ -375,8 +375,8 @@ def test_a_slow_rank_is_named_and_its_node_dropped_at_the_next_checkpoint_and_ke
                 training.set()  # the first is shown as it comes
             if " is slow: " in line:
                 named.set()
-            if "resumed from checkpoint at iteration " in line and not stopping:  # the relaunched rank 0
-                stopping.append(line)  # once: a second SIGTERM after the training ended would kill a rank
+            if "resumed from checkpoint at iteration " in line and not sent_sigterm:  # the relaunched rank 0
+                sent_sigterm = True  # once: a second SIGTERM after the training ended would kill a rank
                 for rank in json.loads(topology.read_text())["ranks"]:
                     os.kill(rank["pid"], signal.SIGTERM)
         proc.wait(timeout=300)
