@@ -4,6 +4,7 @@ output path. How ranks fail is tests/test_rank_failures.py's."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -16,7 +17,7 @@ import ray
 from launcher.cli import main
 from launcher.rank.probes import interface_of
 
-from .conftest import REPO, launch, leftovers, read_ranks
+from .conftest import REPO, free_port, launch, leftovers, read_ranks
 
 pytestmark = pytest.mark.usefixtures("one_node")
 
@@ -169,10 +170,19 @@ def test_a_busy_master_port_exits_2(capsys):
     assert leftovers("busyport") == ([], [])
 
 
+def _sockets_on(port: int) -> list[tuple[str, str, str]]:
+    """The TCP sockets whose local end is `port` (/proc/net/tcp and tcp6): local, remote, state (hex:
+    06 TIME-WAIT, 0A listening, 01 established)."""
+    rows = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError):
+            rows += [line.split() for line in Path(table).read_text().splitlines()[1:]]
+    return [(row[1], row[2], row[3]) for row in rows if row[1].endswith(f":{port:04X}")]
+
+
 def _time_wait_on(port: int) -> bool:
-    """A TCP connection in TIME-WAIT (state 06 of /proc/net/tcp) whose local end is `port`."""
-    rows = [line.split() for line in Path("/proc/net/tcp").read_text().splitlines()[1:]]
-    return any(row[1].endswith(f":{port:04X}") and row[3] == "06" for row in rows)
+    """A TCP connection in TIME-WAIT whose local end is `port`."""
+    return any(state == "06" for _, _, state in _sockets_on(port))
 
 
 @pytest.mark.slow  # the full suite runs it; the fast loop (2 minutes) launches this way elsewhere
@@ -182,8 +192,12 @@ def test_a_master_port_left_in_time_wait_by_the_last_run_is_taken_as_under_torch
     (SO_REUSEADDR), and so does megaray."""
     import socket
 
-    listener = socket.create_server(("0.0.0.0", 0))
-    port = listener.getsockname()[1]
+    # a port outside the kernel's ephemeral range, as a user's (29500) is: one the kernel picks (bind
+    # to 0) was refused once in a fresh-clone run, 13 s into the launch on a loaded machine, with its
+    # TIME-WAIT seen before the launch (what held it then is not known; the sockets on it are named
+    # below should it happen again)
+    port = free_port()
+    listener = socket.create_server(("0.0.0.0", port))
     client = socket.create_connection(("127.0.0.1", port))
     served, _ = listener.accept()
     listener.close()
@@ -196,7 +210,7 @@ def test_a_master_port_left_in_time_wait_by_the_last_run_is_taken_as_under_torch
         time.sleep(0.05)
     args = ["--device", "cpu", "--gpus-per-node", "2", "--master-port", str(port)]
     code = launch("reuseport", *args, "--entrypoint", "tests.targets:dump_env", out=out)
-    assert code == 0, capsys.readouterr().err[-3000:]
+    assert code == 0, f"{capsys.readouterr().err[-3000:]}\nsockets on {port}: {_sockets_on(port)}"
     seen = [json.loads(f.read_text())["env"] for f in sorted(out.glob("env-rank*.json"))]
     assert len(seen) == 2 and {e["MASTER_PORT"] for e in seen} == {str(port)}
     assert leftovers("reuseport") == ([], [])
