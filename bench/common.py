@@ -54,6 +54,18 @@ def ray_cluster(nodes: int, cpus_per_node: int, gpus_per_node: int = 0) -> Itera
         stop_cluster(cluster)
 
 
+def quiet_port() -> int:
+    """A free port for a bench's own Ray (its dashboard), from below the kernel's ephemeral range as
+    `megaray up` draws its head's (launcher/driver/cluster/up_nodes.py `free_port`): a port the kernel
+    picks (bind to 0, close, hand on) can be taken by any outgoing connection on the machine before
+    the dashboard binds it (tests/test_bench.py runs these benches beside the suite's other Rays)."""
+    if str(REPO) not in sys.path:  # a bench run as `python bench/<name>.py`
+        sys.path.append(str(REPO))
+    from launcher.driver.cluster.up_nodes import free_port
+
+    return free_port()
+
+
 def stop_cluster(cluster) -> None:
     """`Cluster.shutdown`, its head's autoscaler monitor killed first, as megaray stops the Rays it
     starts (launcher/driver/cluster/rayprivate.py `stop_monitor`: a second saved)."""

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import PY, REPO, clean_env, median, stop_cluster, summary
+from common import PY, REPO, clean_env, median, quiet_port, stop_cluster, summary
 
 HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
 # Ranks that train as a job would: a collective and a line of output every 0.1 s, so one stopped
@@ -64,14 +64,6 @@ train(**parse_options(sys.argv[2:]))
 RESTART_MODES = ("warm spares", "cold", "torchrun")
 # The relaunched trainer's first step: the dry run resumes, then saves after its first step.
 FIRST_STEP = re.compile(r"resumed from checkpoint at iteration \d+\n[\s\S]*saved checkpoint")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _alive(pid: int) -> bool:
@@ -263,7 +255,7 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 0, "dashboard_port": free_port(), "_system_config": HEALTH},
+        head_node_args={"num_cpus": 0, "dashboard_port": quiet_port(), "_system_config": HEALTH},
     )
     for _ in range(2):
         cluster.add_node(num_cpus=2, **SIMULATED_NODE)

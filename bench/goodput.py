@@ -28,7 +28,6 @@ import argparse
 import itertools
 import json
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -38,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PY, REPO, clean_env, stop_cluster
+from common import PY, REPO, clean_env, quiet_port, stop_cluster
 
 PROGRAM = textwrap.dedent(
     """
@@ -133,9 +132,7 @@ def main() -> None:
     (work / "ckpt").mkdir()
     program = work / "program.py"
     program.write_text(PROGRAM)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    port = quiet_port()  # the dashboard's, asked below for the lost rank's node
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "dashboard_port": port})
     nodes = [cluster.add_node(num_cpus=1, **SIMULATED_NODE) for _ in range(3)]
     cluster.wait_for_nodes()
