@@ -172,6 +172,21 @@ def test_the_dashboard_libraries_are_found_as_ray_imports_them():
     assert (dashboard_libraries_missing() is None) == (ray_utils.get_dashboard_dependency_error() is None)
 
 
+def test_the_run_rays_config_keys_are_ones_the_installed_ray_knows():
+    """A `_system_config` key Ray does not know makes its GCS exit as it starts, and every launch that
+    starts its own Ray then fails after Ray's timeout (tried: ray.init with a misspelt key): the keys
+    megaray passes (rayprivate.RUN_RAY_CONFIG) are names in the installed GCS's and raylet's binaries,
+    where Ray's config table lives."""
+    import ray
+
+    from launcher.driver.cluster.rayprivate import RUN_RAY_CONFIG
+
+    core = Path(ray.__file__).parent / "core" / "src" / "ray"
+    for binary in (core / "gcs" / "gcs_server", core / "raylet" / "raylet"):
+        data = binary.read_bytes()
+        assert all(key.encode() in data for key in RUN_RAY_CONFIG), (binary, RUN_RAY_CONFIG)
+
+
 def test_the_architecture_page_draws_every_state_and_the_folders_as_they_stack():
     """docs/architecture.md is kept true: its diagram names each state of the controller (and no
     other), and its layer table each folder with what it imports."""

@@ -176,7 +176,8 @@ def connect(spec: LaunchSpec, *, exits_after: bool = False) -> Iterator[Cluster]
                 rayprivate.only_what_one_launch_uses(log_monitor=streams),
                 _started_in_time(),
             ):
-                _init(address="local", include_dashboard=False, num_cpus=cpus, log_to_driver=streams)
+                _init(address="local", include_dashboard=False, num_cpus=cpus, log_to_driver=streams,
+                      _system_config=rayprivate.RUN_RAY_CONFIG)  # fmt: skip
             cluster = Cluster(address=ray.get_runtime_context().gcs_address, fixed_size=True)
         quiet_raylet(not streams)
         yield cluster

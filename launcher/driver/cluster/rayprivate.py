@@ -22,6 +22,19 @@ def local_gpu_count() -> int:
 
 
 # -- starting a Ray here ------------------------------------------------------------------------------
+# The `_system_config` of the Ray megaray starts on this machine for one run (`ray.init(address="local")`,
+# driver/cluster/cluster.py), which declares a logical CPU for every core (at least one a rank). By
+# default a raylet starts one idle Python worker per core for the first driver that connects, and that
+# driver's `ray.init` returns only once they have all registered (Ray's worker pool: the first job's
+# driver waits for min(CPUs, cores) prestarted workers): on a 96-core GPU node, 96 Python processes
+# before an 8-rank launch places anything, 87 of them idle for the whole run. megaray starts the
+# actors it needs (the ranks, the output sink) as it needs them: Ray starts their workers then. On 2
+# cores with Ray deciding as for 16 (2 ranks, 2026-12-07): the program started at 4.3 s instead of 7.3,
+# 5.8 CPU-s against 13.3; on 2 cores as they are, the same either way. A key Ray no longer knows is
+# refused by `ray.init`; tests/test_structure.py checks it against the installed Ray.
+RUN_RAY_CONFIG = {"prestart_worker_first_driver": False}
+
+
 @contextlib.contextmanager
 def only_what_one_launch_uses(*, log_monitor: bool) -> Iterator[None]:
     """A Ray started in this process for one launch (`ray.init(address="local")`, a simulated
