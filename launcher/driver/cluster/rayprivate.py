@@ -30,8 +30,9 @@ def local_gpu_count() -> int:
 # before an 8-rank launch places anything, 87 of them idle for the whole run. megaray starts the
 # actors it needs (the ranks, the output sink) as it needs them: Ray starts their workers then. On 2
 # cores with Ray deciding as for 16 (2 ranks, 2026-12-07): the program started at 4.3 s instead of 7.3,
-# 5.8 CPU-s against 13.3; on 2 cores as they are, the same either way. A key Ray no longer knows is
-# refused by `ray.init`; tests/test_structure.py checks it against the installed Ray.
+# 5.8 CPU-s against 13.3; on 2 cores as they are, the same either way. A key Ray no longer knows makes
+# its GCS exit as it starts (`ray.init` fails after its timeout): tests/test_structure.py checks the
+# key against the installed Ray.
 RUN_RAY_CONFIG = {"prestart_worker_first_driver": False}
 
 
