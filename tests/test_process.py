@@ -350,19 +350,35 @@ with open(f"/proc/{raylet}/cmdline") as f:
     command = f.read().replace(chr(0), " ")
 with open(os.path.join(sys.argv[1], f"raylet-{os.environ['RANK']}"), "w") as f:
     f.write(command)
+if os.environ["RANK"] == "1":  # once rank 0 runs too (the launch's workers all started): the raylet's
+    deadline = time.monotonic() + 120
+    while not os.path.exists(os.path.join(sys.argv[1], "running-0")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    titles = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if parent(entry) == raylet:
+                with open(f"/proc/{entry}/cmdline") as f:
+                    titles.append(f.read().split(chr(0))[0])
+        except OSError:
+            pass
+    with open(os.path.join(sys.argv[1], "workers-1"), "w") as f:
+        f.write(chr(10).join(titles))
 open(os.path.join(sys.argv[1], f"running-{os.environ['RANK']}"), "w").close()
 time.sleep(600)
 """
 
 
 def outlived(
-    tmp_path: Path, *args: str, term_once: Path | None = None, python: str = sys.executable
-) -> tuple[dict, str]:
-    """megaray run by tests/outlived.py: ({"rc", "left": what outlived it}, its stderr)."""
+    tmp_path: Path, *args: str, term_once: Path | None = None, python: str = sys.executable,
+    env: dict[str, str] | None = None,
+) -> tuple[dict, str]:  # fmt: skip
+    """megaray run by tests/outlived.py: ({"rc", "left": what outlived it}, its stderr); `env`, added
+    to the user's environment."""
     wrap = [sys.executable, str(OUTLIVED), *(("--term-once", str(term_once)) if term_once else ()), "--"]
     megaray = [python, str(REPO / "main.py"), "--runs-dir", str(tmp_path / "runs"), *args]
-    p = subprocess.run([*wrap, *megaray], cwd=tmp_path, env=base_env(tmp_path), capture_output=True,
-                       text=True, timeout=240, stdin=subprocess.DEVNULL)  # fmt: skip
+    p = subprocess.run([*wrap, *megaray], cwd=tmp_path, env={**base_env(tmp_path), **(env or {})},
+                       capture_output=True, text=True, timeout=240, stdin=subprocess.DEVNULL)  # fmt: skip
     return json.loads(p.stdout.strip().splitlines()[-1]), p.stderr
 
 
@@ -396,8 +412,14 @@ def test_a_ray_started_for_the_launch_is_stopped_with_every_process_it_started(t
     script.write_text(RUNS_UNTIL_STOPPED)
     out = tmp_path / "out"
     out.mkdir()
+    # Ray deciding as on a 16-core node (the core count its Python asks, in every process of the launch)
+    cores = tmp_path / "sixteen-cores"
+    cores.mkdir()
+    sixteen = "import multiprocessing, os\nos.cpu_count = multiprocessing.cpu_count = lambda: 16\n"
+    (cores / "sitecustomize.py").write_text(sixteen)
     ended, err = outlived(tmp_path, "--device", "cpu", "--gpus-per-node", "2", str(script), str(out),
-                          term_once=out / "running-1", python=python)  # fmt: skip
+                          term_once=out / "running-1", python=python,
+                          env={"PYTHONPATH": str(cores)})  # fmt: skip
     assert ended == {"rc": 143, "left": []}, err[-3000:]
     assert "starting a local Ray for this run" in err and "interrupted by SIGTERM" in err, err[-3000:]
     # a Ray private to the launch, whose ranks' output megaray collects: neither Ray's autoscaler
@@ -410,6 +432,10 @@ def test_a_ray_started_for_the_launch_is_stopped_with_every_process_it_started(t
     # its raylet's dashboard agent takes any free port, not Ray's default, which another Ray on the
     # machine may hold (the agent then retried it for 3.4 s, a launch of 4 s took 8)
     assert "--listen-port=0 " in (out / "raylet-1").read_text()  # written before running-1
+    # nor the idle workers Ray starts for a first driver, one per core (16 here, 13 of them idle), for
+    # which that driver's `ray.init` waits: the raylet's Python workers are the ranks and the output sink
+    workers = (out / "workers-1").read_text().split("\n")
+    assert "ray::IDLE" not in workers and sum(w.startswith("ray::RankActor") for w in workers) == 2, workers
     two_nodes = ("--device", "cpu", "--nodes", "2", "--gpus-per-node", "1")  # simulated, a program to its end
     ended, err = outlived(tmp_path, *two_nodes, str(PROBE), str(out), python=python)
     assert ended == {"rc": 0, "left": []}, err[-3000:]
