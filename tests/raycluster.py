@@ -20,7 +20,7 @@ from pathlib import Path
 
 from launcher.core.rankenv import DRAIN_VAR
 
-from .conftest import free_port
+from .conftest import free_port, ray_starting
 
 BIN = os.path.dirname(sys.executable)
 # What `ray start` says when its raylet did not register with the GCS within Ray's fixed 30 s.
@@ -205,19 +205,20 @@ def start_cluster(num_cpus: int, num_gpus: int = 0, **config: str) -> RayStartCl
     env.pop("RAY_ADDRESS", None)
     port, dash, agent = free_port(), free_port(), free_port()
     c = RayStartCluster(f"127.0.0.1:{port}", f"http://127.0.0.1:{dash}", token, env, tmp)
-    head = c._start(
-        f"--head --port {port} --node-ip-address 127.0.0.1 --dashboard-host 127.0.0.1 "
-        f"--dashboard-port {dash} --include-dashboard true --num-cpus {num_cpus} --num-gpus {num_gpus} "
-        # ports of its own for the job agent and the client server, whose defaults (52365, 10001) another
-        # Ray on this machine may hold: then no job can be submitted ("No available agent")
-        f"--dashboard-agent-listen-port {agent} --ray-client-server-port {free_port()} "
-        f"--temp-dir {tmp}",
-        "head",
-    )
-    # up when the job API answers, the head's raylet has registered and its job agent listens: a head
-    # still starting its agent, its GCS stopped meanwhile (test_addresses), went down whole (its raylet
-    # ends with an agent that fails, and `ray start --block` then kills every process of the node)
-    c._wait(lambda: c.jobs() is not None and c.nodes_alive() == 1 and _listening(agent), head, "head")
+    with ray_starting():
+        head = c._start(
+            f"--head --port {port} --node-ip-address 127.0.0.1 --dashboard-host 127.0.0.1 "
+            f"--dashboard-port {dash} --include-dashboard true --num-cpus {num_cpus} --num-gpus {num_gpus} "
+            # ports of its own for the job agent and the client server, whose defaults (52365, 10001)
+            # another Ray on this machine may hold: then no job can be submitted ("No available agent")
+            f"--dashboard-agent-listen-port {agent} --ray-client-server-port {free_port()} "
+            f"--temp-dir {tmp}",
+            "head",
+        )
+        # up when the job API answers, the head's raylet has registered and its job agent listens: a
+        # head still starting its agent, its GCS stopped meanwhile (test_addresses), went down whole
+        # (its raylet ends with an agent that fails, and `ray start --block` then kills every process)
+        c._wait(lambda: c.jobs() is not None and c.nodes_alive() == 1 and _listening(agent), head, "head")
     return c
 
 

@@ -24,7 +24,7 @@ from launcher.driver.cluster.cluster import SIMULATED_NODE, stop_simulated
 from launcher.driver.supervision.supervise import STARTUP_GRACE_S
 
 from . import drive
-from .conftest import REPO, connected, documented_fields, free_port, leftovers
+from .conftest import REPO, connected, documented_fields, free_port, leftovers, ray_starting
 
 sys.path.insert(0, str(REPO / "bench"))
 from common import throttle
@@ -68,18 +68,19 @@ dist.barrier()
 @pytest.fixture(scope="module")
 def cluster():
     os.chdir(REPO)
-    c = Cluster(
-        initialize_head=True,
-        head_node_args={
-            "num_cpus": 1,
-            "num_gpus": 0,
-            "dashboard_port": free_port(),
-            "_system_config": HEALTH,
-        },
-    )
-    c.add_node(**NODE)
-    c.add_node(**NODE)
-    c.wait_for_nodes()
+    with ray_starting():  # conftest.ray_starting: Ray's 30 s for a raylet to register
+        c = Cluster(
+            initialize_head=True,
+            head_node_args={
+                "num_cpus": 1,
+                "num_gpus": 0,
+                "dashboard_port": free_port(),
+                "_system_config": HEALTH,
+            },
+        )
+        c.add_node(**NODE)
+        c.add_node(**NODE)
+        c.wait_for_nodes()
     ray.init(address=c.address, namespace="megaray")
     yield c
     ray.shutdown()
