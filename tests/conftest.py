@@ -182,6 +182,21 @@ def one_node():
     yield
 
 
+def simulated_cluster(head: dict, nodes: list[dict]):
+    """A module's simulated cluster (ray.cluster_utils): a head of 1 CPU and no GPU with its dashboard
+    on a port of the suite's (`head` adds to its arguments), then `nodes`, all registered; started
+    under `ray_starting`."""
+    from ray.cluster_utils import Cluster
+
+    with ray_starting():
+        args = {"num_cpus": 1, "num_gpus": 0, "dashboard_port": free_port(), **head}
+        c = Cluster(initialize_head=True, head_node_args=args)
+        for node in nodes:
+            c.add_node(**node)
+        c.wait_for_nodes()
+    return c
+
+
 @contextlib.contextmanager
 def ray_starting() -> Iterator[None]:
     """Around a test's own Ray starting (a fixture's cluster): Ray gives a node's raylet 30 s to

@@ -12,7 +12,6 @@ from pathlib import Path
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -20,7 +19,7 @@ from launcher.cli import main
 from launcher.driver.cluster.cluster import SIMULATED_NODE, stop_simulated
 
 from . import drive
-from .conftest import REPO, free_port, leftovers, ray_starting, read_ranks
+from .conftest import REPO, leftovers, read_ranks, simulated_cluster
 
 CPU_TWO_NODES = "--device cpu --nodes 2 --gpus-per-node 1"
 NODE_A_ENV = {"OMP_NUM_THREADS": "3", "NCCL_DEBUG": "INFO"}
@@ -29,20 +28,14 @@ NODE_A_ENV = {"OMP_NUM_THREADS": "3", "NCCL_DEBUG": "INFO"}
 @pytest.fixture(scope="module")
 def cluster():
     os.chdir(REPO)
-    with ray_starting():  # conftest.ray_starting: Ray's 30 s for a raylet to register
-        c = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 1,
-                "num_gpus": 0,
-                "include_dashboard": True,
-                "dashboard_port": free_port(),
-            },
-        )
-        # Node A has 3 GPUs (one of them taken by someone else below) and its own environment.
-        c.add_node(num_cpus=4, num_gpus=3, resources={"node_a": 1}, env_vars=NODE_A_ENV, **SIMULATED_NODE)
-        c.add_node(num_cpus=4, num_gpus=2, resources={"node_b": 1}, **SIMULATED_NODE)
-        c.wait_for_nodes()
+    # Node A has 3 GPUs (one of them taken by someone else below) and its own environment.
+    c = simulated_cluster(
+        {"include_dashboard": True},
+        [
+            dict(num_cpus=4, num_gpus=3, resources={"node_a": 1}, env_vars=NODE_A_ENV, **SIMULATED_NODE),
+            dict(num_cpus=4, num_gpus=2, resources={"node_b": 1}, **SIMULATED_NODE),
+        ],
+    )
     ray.init(address=c.address, namespace="megaray")
     yield c
     ray.shutdown()

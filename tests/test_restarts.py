@@ -17,14 +17,13 @@ from pathlib import Path
 
 import pytest
 import ray
-from ray.cluster_utils import Cluster
 from ray.util.state import list_actors
 
 from launcher.driver.cluster.cluster import SIMULATED_NODE, stop_simulated
 from launcher.driver.supervision.supervise import STARTUP_GRACE_S
 
 from . import drive
-from .conftest import REPO, connected, documented_fields, free_port, leftovers, ray_starting
+from .conftest import REPO, connected, documented_fields, leftovers, simulated_cluster
 
 sys.path.insert(0, str(REPO / "bench"))
 from common import throttle
@@ -68,19 +67,7 @@ dist.barrier()
 @pytest.fixture(scope="module")
 def cluster():
     os.chdir(REPO)
-    with ray_starting():  # conftest.ray_starting: Ray's 30 s for a raylet to register
-        c = Cluster(
-            initialize_head=True,
-            head_node_args={
-                "num_cpus": 1,
-                "num_gpus": 0,
-                "dashboard_port": free_port(),
-                "_system_config": HEALTH,
-            },
-        )
-        c.add_node(**NODE)
-        c.add_node(**NODE)
-        c.wait_for_nodes()
+    c = simulated_cluster({"_system_config": HEALTH}, [NODE, NODE])
     ray.init(address=c.address, namespace="megaray")
     yield c
     ray.shutdown()
