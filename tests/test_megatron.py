@@ -573,12 +573,14 @@ def test_the_timed_forward_step_keeps_bridges_signature_and_sends_its_step_times
 
     forwarder, now = Forwarder(), [0.0]
     timer = StepTimer(forwarder, rank=5, world_size=8, clock=lambda: now[0])
+    started = time.perf_counter()
     for _ in range(3):
         timer.call(time.sleep, (0.02,), {})
     now[0] = 10.0
     timer.call(time.sleep, (0.02,), {})
+    took = time.perf_counter() - started  # the steps' time, at most: a loaded machine's (2.4 s once)
     (sample,) = forwarder.got
-    assert (sample.rank, sample.stage, sample.steps) == (5, 0, 4) and 0.08 <= sample.seconds < 0.5
+    assert (sample.rank, sample.stage, sample.steps) == (5, 0, 4) and 0.08 <= sample.seconds <= took
 
 
 # the driver as main.py runs it, then whether it imported torch or Megatron itself
