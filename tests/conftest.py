@@ -7,7 +7,6 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -51,7 +50,6 @@ import pytest  # noqa: E402
 from . import turns  # noqa: E402
 
 _own_group: Path | None = None  # this worker's CPU cgroup (tests/turns.py)
-_alone_now = False  # this worker runs an `alone` test: it has the cores (tests/turns.py)
 
 
 def pytest_configure(config):
@@ -197,19 +195,14 @@ def simulated_cluster(head: dict, nodes: list[dict]):
     return c
 
 
-@contextlib.contextmanager
-def ray_starting() -> Iterator[None]:
+def ray_starting() -> contextlib.AbstractContextManager[None]:
     """Around a test's own Ray starting (a fixture's cluster): Ray gives a node's raylet 30 s to
     register with its GCS (hard-coded in ray/_private/node.py), and a worker lowered beside another's
     `alone` test that makes the machine busy on purpose took longer (a fresh-clone run of 2026-12-07:
     this fixture's `ray.init` and a `ray start` head, both beside the sixteen-ranks test). The start
     waits for that test to end and has the cores while it runs (turns.others_lowered); inside an
     `alone` test, which has them already, it just runs."""
-    if _alone_now:
-        yield
-        return
-    with turns.others_lowered(_own_group, _SHARED_TMP):
-        yield
+    return turns.others_lowered(_own_group, _SHARED_TMP)
 
 
 @pytest.hookimpl(wrapper=True)
@@ -305,11 +298,5 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    global _alone_now
-    alone = item.get_closest_marker("alone") is not None
-    with turns.turn(alone, _own_group, _SHARED_TMP):
-        _alone_now = alone
-        try:
-            yield
-        finally:
-            _alone_now = False
+    with turns.turn(item.get_closest_marker("alone") is not None, _own_group, _SHARED_TMP):
+        yield

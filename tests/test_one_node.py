@@ -440,7 +440,7 @@ def _dead(actor) -> bool:
     except ray.exceptions.RayActorError:
         return True
     except ray.exceptions.GetTimeoutError:
-        return False
+        pass  # slow, not dead
     return False
 
 

@@ -336,14 +336,17 @@ raylet = os.getpid()
 while open(f"/proc/{raylet}/comm").read().strip() != "raylet":
     raylet = parent(raylet)
 driver = parent(raylet)
-beside = []
-for entry in filter(str.isdigit, os.listdir("/proc")):
-    try:
-        if parent(entry) == driver:
-            with open(f"/proc/{entry}/cmdline") as f:
-                beside.append(f.read().replace(chr(0), " "))
-    except OSError:
-        pass
+def children(pid):  # each child's command line, its arguments apart
+    found = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if parent(entry) == pid:
+                with open(f"/proc/{entry}/cmdline") as f:
+                    found.append(f.read().split(chr(0)))
+        except OSError:
+            pass
+    return found
+beside = [" ".join(argv) for argv in children(driver)]
 with open(os.path.join(sys.argv[1], f"beside-{os.environ['RANK']}"), "w") as f:
     f.write(chr(10).join(beside))
 with open(f"/proc/{raylet}/cmdline") as f:
@@ -354,16 +357,8 @@ if os.environ["RANK"] == "1":  # once rank 0 runs too (the launch's workers all 
     deadline = time.monotonic() + 120
     while not os.path.exists(os.path.join(sys.argv[1], "running-0")) and time.monotonic() < deadline:
         time.sleep(0.1)
-    titles = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            if parent(entry) == raylet:
-                with open(f"/proc/{entry}/cmdline") as f:
-                    titles.append(f.read().split(chr(0))[0])
-        except OSError:
-            pass
     with open(os.path.join(sys.argv[1], "workers-1"), "w") as f:
-        f.write(chr(10).join(titles))
+        f.write(chr(10).join(argv[0] for argv in children(raylet)))
 open(os.path.join(sys.argv[1], f"running-{os.environ['RANK']}"), "w").close()
 time.sleep(600)
 """

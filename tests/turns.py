@@ -29,6 +29,7 @@ from pathlib import Path
 _CPU = Path("/sys/fs/cgroup/cpu")
 _SHARES = 1024  # the kernel's default weight
 _LOWERED = _SHARES // 4  # the other workers' weight together, while an `alone` test runs
+_holding = False  # this worker has the `alone` turn: a turn asked inside it (others_lowered) has it too
 
 
 def _run() -> str | None:
@@ -79,15 +80,18 @@ def turn(alone: bool, own: Path | None, shared_tmp: Path) -> Iterator[None]:
         return
     base = shared_tmp / f"megaray-tests-{run}"
     if own is not None:
-        if not alone:
+        global _holding
+        if not alone or _holding:  # a second flock of the file from this process would wait for ever
             yield
             return
         with open(f"{base}.alone", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one `alone` test at a time
             _set_others(run, own, lowered=True)
+            _holding = True
             try:
                 yield
             finally:
+                _holding = False
                 _set_others(run, own, lowered=False)
         return
     with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.lock", "a") as lock:
