@@ -83,18 +83,37 @@ def fail_on_rank_1():
     time.sleep(60)
 
 
+class _CaughtWhenRead:
+    """An exception's message that marks, when read, that the rank has caught the failure: megaray's
+    rank reads a message only after it took the failure as the program's own (rank/actor.py
+    `_caught`), so a rank that waits for the mark knows its peer failed before any stop."""
+
+    def __init__(self, mark: Path):
+        self.mark = mark
+
+    def __str__(self) -> str:
+        self.mark.touch()
+        return "bad batch"
+
+
 def fail_together():
-    """Every rank raises at the same moment (a file barrier first), but the word of ranks 1.. comes
-    late: each printed a burst, which the rank sends the driver before its result (the pace of a
-    loaded machine, or of a long traceback). The bursts go before the barrier: written after it, on a
-    loaded machine (the other pytest worker's `alone` test beside it), a rank was still writing its
-    burst when the stop began, and was rightly not listed as failed."""
-    out, world = _out("barrier").parent, int(os.environ["WORLD_SIZE"])
-    if os.environ["RANK"] != "0":
+    """Every rank raises, but the word of ranks 1.. comes late: each printed a burst, which the rank
+    sends the driver before its result (the pace of a loaded machine, or of a long traceback). The
+    bursts go before a file barrier: written after it, on a loaded machine, a rank was still writing
+    its burst when the stop began, and was rightly not listed as failed. Rank 0 raises once the others
+    have caught their failures: on a loaded machine one of them, descheduled between the barrier and
+    its raise, could otherwise still be running when the stop came, and rightly not be listed."""
+    out, world, rank = _out("barrier").parent, int(os.environ["WORLD_SIZE"]), os.environ["RANK"]
+    if rank != "0":
         sys.stdout.write("".join(f"burst line {i} " + "x" * 60 + "\n" for i in range(20000)))
         sys.stdout.flush()
-    (out / f"ready-{os.environ['RANK']}").touch()
+    (out / f"ready-{rank}").touch()
     while len(list(out.glob("ready-*"))) < world:
+        time.sleep(0.005)
+    if rank != "0":
+        raise ValueError(_CaughtWhenRead(out / f"caught-{rank}"))
+    deadline = time.monotonic() + 60
+    while len(list(out.glob("caught-*"))) < world - 1 and time.monotonic() < deadline:
         time.sleep(0.005)
     raise ValueError("bad batch")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import statistics
 import sys
 
 from ..core.errors import MegarayError, RankFailedError
@@ -101,7 +102,7 @@ def main(argv: list[str] | None = None, *, exits_after: bool = False) -> int:
     return 0
 
 
-LOSS_TAIL = 5  # the dry run's training ends at the mean loss of its last this many steps
+LOSS_TAIL = 5  # the dry run's training ends at the median loss of its last this many steps
 
 
 def _report_dry_run(views: list[dict], nodes: int, asked_to_train: bool = True) -> int:
@@ -142,13 +143,14 @@ def _report_dry_run(views: list[dict], nodes: int, asked_to_train: bool = True) 
                       ref["rank"], other["rank"], ref["losses"], theirs)  # fmt: skip
             return 1
     shown = " ".join(_loss(x) for x in curve[:: max(1, len(curve) // 5)])
-    # where it ended: the mean of the last steps, as one batch's loss is noisy (a run on text ended on
-    # a hard batch at 6.88 after reaching 6.05)
+    # where it ended: the median of the last steps, as one batch's loss is noisy (a run on text ended
+    # on a hard batch at 6.88 after reaching 6.05) and one batch of text can be far off (8.48 among
+    # 6.0-6.2: it pulled the mean of the last five from 6.05 to 6.55)
     tail = curve[-LOSS_TAIL:]
     log.info(
         "Megatron GPT trained on CPU with TP %d x PP %d x DP %d: loss %s -> %s over %d steps (%s; the "
-        "end: the mean of the last %d); last-stage ranks agreeing: %d",
-        first["tp"], first["pp"], first["dp"], _loss(curve[0]), _loss(sum(tail) / len(tail)), len(curve),
+        "end: the median of the last %d); last-stage ranks agreeing: %d",
+        first["tp"], first["pp"], first["dp"], _loss(curve[0]), _loss(statistics.median(tail)), len(curve),
         shown, len(tail), len(trained),
     )  # fmt: skip
     return 0

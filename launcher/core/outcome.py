@@ -26,6 +26,7 @@ class RankOutcome:
     traceback: str = ""
     exit_code: int | None = None
     at: float = 0.0  # when it failed (wall clock), to pick the root cause across ranks
+    after_stop: bool = False  # the driver's stop had reached the rank first: maybe the stop's doing
     error_file: str = ""  # where the program recorded its error (torch elastic's @record), if it did
     lingering: tuple[str, ...] = ()  # what would still run if the process exited now (ok only)
 

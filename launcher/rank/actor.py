@@ -19,7 +19,7 @@ import time
 import traceback
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import ray
 
@@ -269,6 +269,7 @@ class RankActor:
         try:
             return RankOutcome(ok=True, value=fn(*args, **kwargs))
         except SystemExit as e:
+            caught = self._caught()
             if e.code in (None, 0):
                 return RankOutcome(ok=True)
             if isinstance(e.code, int):
@@ -277,20 +278,33 @@ class RankActor:
                 code, what = 1, f"exited with code 1: {e.code}"
                 with contextlib.suppress(OSError, ValueError):
                     print(e.code, file=sys.stderr, flush=True)
-            return _failure(FailureKind.EXIT, what, e, code, self.error_file, noise)
+            return _failure(FailureKind.EXIT, what, e, code, self.error_file, noise, caught)
         except BaseException as e:
+            caught = self._caught()
             # as Python prints an exception that ends a program (with exit code 1): the rank's log
             # keeps it too
             with contextlib.suppress(OSError, ValueError):
                 print(user_traceback(e, noise), end="", file=sys.stderr, flush=True)
             summary = f"{type(e).__name__}: {e}".strip().splitlines()[0]
-            return _failure(FailureKind.EXCEPTION, summary, e, 1, self.error_file, noise)
+            return _failure(FailureKind.EXCEPTION, summary, e, 1, self.error_file, noise, caught)
         finally:
             flush_streams()
             if self.capture is not None:
-                self.capture.returning = True  # a stop from here on leaves the result to come back
+                self.capture.call_ended()  # a stop from here on leaves the result to come back
                 self.capture.sync()  # the driver has every line of this rank before its result
                 self.capture.returning = False
+
+    def _caught(self) -> Caught:
+        """When the program failed, and whether the driver's stop had reached it by then: taken first,
+        before its traceback is printed (a slow disk, a loaded machine)."""
+        return Caught(time.time(), self.capture.call_ended() if self.capture is not None else False)
+
+
+class Caught(NamedTuple):
+    """A failure as the rank caught it (`RankActor._caught`)."""
+
+    at: float  # the wall clock
+    after_stop: bool  # the driver's stop had reached this process first
 
 
 def _restore(signum: int, handler: Any) -> None:
@@ -316,7 +330,7 @@ def lingering(atexit_before: int) -> list[str]:
 
 def _failure(
     kind: FailureKind, summary: str, exc: BaseException, exit_code: int, error_file: str | None,
-    noise: tuple[str, ...],
+    noise: tuple[str, ...], caught: Caught,
 ) -> RankOutcome:  # fmt: skip
     """A failed run as data. Where the program recorded its error (torch elastic's `@record` writes
     TORCHELASTIC_ERROR_FILE), its message and traceback are the ones reported, as under torchrun."""
@@ -327,7 +341,8 @@ def _failure(
         summary=recorded.message.splitlines()[0] if recorded and recorded.message else summary,
         traceback=recorded.traceback if recorded and recorded.traceback else user_traceback(exc, noise),
         exit_code=exit_code,
-        at=time.time(),
+        at=caught.at,
+        after_stop=caught.after_stop,
         error_file=error_file if recorded else "",
     )
 

@@ -52,6 +52,8 @@ class Capture:
         self.sent = {STDOUT: 0, STDERR: 0}  # bytes of each spool sent to the sink
         self.stopped = False  # the process is exiting: no more Ray calls (`stop_sending`)
         self.returning = False  # the program's call has ended: a stop now has nothing to end
+        self.stop_sent = False  # the driver's stop was passed on to this process (its SIGTERM)
+        self._turn = threading.Lock()  # which came first: the call's end, or the driver's stop
         self.reports: deque[tuple[int, dict[str, Any]]] = deque()  # report()'s, for the pump to send
         self._sending = threading.Lock()
         sys.stdout.flush()
@@ -83,9 +85,21 @@ class Capture:
             ray.get(self.control_ref)
         except Exception:  # cancelled (the program returned), or the sink is gone with the driver
             return
-        if self.returning:  # its failure is on its way to the driver, which lists it (#45): not killed
-            return
+        with self._turn:
+            if self.returning:  # its failure is on its way to the driver, which lists it (#45): not killed
+                return
+            self.stop_sent = True
         os.kill(os.getpid(), signal.SIGTERM)
+
+    def call_ended(self) -> bool:
+        """The program's call has ended (returned, raised or exited): a stop from here on leaves its
+        result to come back. Returns whether the driver's stop had reached this process first, whose
+        SIGTERM may be what ended it. The rank decides, not the driver by comparing its clock with the
+        rank's: the nodes' clocks differ, and a rank's failure a moment after the stop began but before
+        its signal came (a loaded machine) is still the program's own (#45)."""
+        with self._turn:
+            self.returning = True
+            return self.stop_sent
 
     def end_control(self) -> None:
         """The program returned: no stop will come. A thread still waiting in a Ray call would keep

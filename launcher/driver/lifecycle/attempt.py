@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
-import time
 from typing import Any
 
 import ray
@@ -28,7 +27,7 @@ from ..gang.spares import SparePool
 from ..output.relay import OutputRelay, open_sink
 from ..supervision.evict import EvictWatch
 from ..supervision.grow import GrowWatch
-from ..supervision.rank_ends import failed_before
+from ..supervision.rank_ends import failed_on_their_own
 from ..supervision.stragglers import StragglerWatch
 from ..supervision.supervise import Supervision
 from .context import AttemptTarget, LaunchContext
@@ -249,13 +248,12 @@ class Attempt:
         if self.relay is not None:
             self.relay.nodes_lost(self.gang.lost_nodes)
         if not self.succeeded and self.refs and self.relay is not None:
-            began = time.time()
             self.relay.stop_ranks()
             frozen = self.failure.beyond_signals() if self.failure is not None else set()
             self.gang.wait_stopped(self.refs, self.spec.kill_grace_s, frozen)
             if self.failure is not None:  # every rank that failed before the stop is listed (#45)
                 listed = {f.rank for f in self.failure.failures}
-                late = [f for f in failed_before(self.gang.handles, self.refs, began) if f.rank not in listed]
+                late = [f for f in failed_on_their_own(self.gang.handles, self.refs) if f.rank not in listed]
                 if late:
                     self.failure.amend([*self.failure.failures, *late])
         self.gang.teardown(keep_groups=self.handed_over)

@@ -39,17 +39,18 @@ def _program_failure(h: RankHandle, out: Any) -> RankFailure:
     )  # fmt: skip
 
 
-def failed_before(handles: tuple[RankHandle, ...], refs: list, began: float) -> list[RankFailure]:
-    """The ranks whose program failed (raised, or exited non-zero) before `began`, the wall-clock
-    time their stop began, among `refs` (by rank) that are done: their word came after the first
-    failure's window (4 ranks raising at once reach the driver over a second), and torchrun lists
-    every failed worker. What the stop ended, and a process that died, are not looked at here."""
+def failed_on_their_own(handles: tuple[RankHandle, ...], refs: list) -> list[RankFailure]:
+    """The ranks whose program failed (raised, or exited non-zero) before the driver's stop reached
+    them, among `refs` (by rank) that are done: their word came after the first failure's window
+    (4 ranks raising at once reach the driver over a second), and torchrun lists every failed worker.
+    Each rank tells whether the stop had come first (rank/capture.py `call_ended`): no clock of the
+    driver's is compared with a rank's. What the stop ended, and a process that died, are not listed."""
     done, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
     rank_of, found = {ref: r for r, ref in enumerate(refs)}, []
     for ref in done:
         with contextlib.suppress(ray.exceptions.RayError):
             out = ray.get(ref, timeout=0)
-            if not out.ok and out.at and out.at < began:
+            if not out.ok and not out.after_stop:
                 found.append(_program_failure(handles[rank_of[ref]], out))
     return found
 
