@@ -300,9 +300,12 @@ def test_a_warm_pool_on_the_cluster_is_taken_by_a_launch_there_refilled_and_give
         assert holder.wait(timeout=120) == 0, said.read_text()[-3000:]
         out2 = said.read_text()
         assert "taking the warm pool" in out2, out2[-3000:]
-        both = f"{out2[-3000:]}\n--- rs-other:\n{other_said.read_text()[-3000:]}"
-        assert "a launch is waiting for room (placement group rs-other-node" in out2, both
         assert other.wait(timeout=120) == 0, other_said.read_text()[-3000:]
+        # The first launch's end frees the room, then looks for launches waiting: most often rs-other's
+        # group is still pending ("a launch is waiting for room (placement group rs-other-node0)": the
+        # pool is refilled at rs-other's end); now and then Ray has placed it in between (once in eight
+        # runs) and the refill, started then, waits for room itself. Either way rs-other ran, and the
+        # pool is refilled below: its exit code is the check, not which of the two was said.
     finally:  # a failure here must not leave the cluster full for the module's next tests
         for proc in (holder, other):
             if proc.poll() is None:
