@@ -32,7 +32,7 @@ from ..core.straggler import stragglers_off
 from ..core.target import Target
 from ..core.topology import RankReport
 from ..core.versions import python_version
-from .capture import flush_streams
+from .capture import Capture, flush_streams
 from .nvml import smallest_memory_gib
 from .plain_process import as_a_plain_process, match_thread_pools
 from .probes import (
@@ -224,8 +224,6 @@ class RankActor:
                 self.exit_marked = True
         self.atexit_before = atexit._ncallbacks()
         if sink is not None and spool is not None and self.capture is None:
-            from .capture import Capture
-
             self.capture = Capture(sink, self.rank, spool)
         return dict(os.environ), self.took_over
 
@@ -269,7 +267,7 @@ class RankActor:
         try:
             return RankOutcome(ok=True, value=fn(*args, **kwargs))
         except SystemExit as e:
-            caught = self._caught()
+            caught = _caught(self.capture)
             if e.code in (None, 0):
                 return RankOutcome(ok=True)
             if isinstance(e.code, int):
@@ -280,7 +278,7 @@ class RankActor:
                     print(e.code, file=sys.stderr, flush=True)
             return _failure(FailureKind.EXIT, what, e, code, self.error_file, noise, caught)
         except BaseException as e:
-            caught = self._caught()
+            caught = _caught(self.capture)
             # as Python prints an exception that ends a program (with exit code 1): the rank's log
             # keeps it too
             with contextlib.suppress(OSError, ValueError):
@@ -294,17 +292,18 @@ class RankActor:
                 self.capture.sync()  # the driver has every line of this rank before its result
                 self.capture.returning = False
 
-    def _caught(self) -> Caught:
-        """When the program failed, and whether the driver's stop had reached it by then: taken first,
-        before its traceback is printed (a slow disk, a loaded machine)."""
-        return Caught(time.time(), self.capture.call_ended() if self.capture is not None else False)
-
 
 class Caught(NamedTuple):
-    """A failure as the rank caught it (`RankActor._caught`)."""
+    """A failure as the rank caught it."""
 
     at: float  # the wall clock
     after_stop: bool  # the driver's stop had reached this process first
+
+
+def _caught(capture: Capture | None) -> Caught:
+    """When the program failed, and whether the driver's stop had reached it by then: taken first,
+    before its traceback is printed (a slow disk, a loaded machine)."""
+    return Caught(time.time(), capture.call_ended() if capture is not None else False)
 
 
 def _restore(signum: int, handler: Any) -> None:
