@@ -298,5 +298,7 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    with turns.turn(item.get_closest_marker("alone") is not None, _own_group, _SHARED_TMP):
+    alone = item.get_closest_marker("alone")
+    busy = alone is not None and alone.kwargs.get("busy", False)
+    with turns.turn(alone is not None, _own_group, _SHARED_TMP, lower=not busy):
         yield

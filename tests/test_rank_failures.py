@@ -349,7 +349,7 @@ def test_surviving_ranks_get_sigterm_before_the_kill(tmp_path, capsys, own_handl
 
 
 @pytest.mark.slow  # seconds of waiting or many ranks: out of the fast loop
-@pytest.mark.alone  # it makes the machine busy on purpose
+@pytest.mark.alone(busy=True)  # it makes the machine busy on purpose: the others are not lowered
 def test_a_busy_machine_and_a_stopped_rank_are_not_a_lost_node(out, capsys):
     """megaray's own node probes (a TCP connection to the raylet) are answered by the kernel, whatever
     the ranks do: all CPUs busy, a C call holding the GIL, a long checkpoint write, a first
@@ -366,7 +366,7 @@ def test_a_busy_machine_and_a_stopped_rank_are_not_a_lost_node(out, capsys):
 
 
 @pytest.mark.slow  # seconds of waiting or many ranks: out of the fast loop
-@pytest.mark.alone  # it makes the machine busy on purpose
+@pytest.mark.alone(busy=True)  # it makes the machine busy on purpose: the others are not lowered
 def test_sixteen_ranks_importing_torch_on_two_cores_are_not_a_lost_node(tmp_path, capsys):
     """The machine at 100% for half a minute: 16 ranks starting Ray workers, importing torch and
     joining gloo on 2 cores (bench/barrier.py, unchanged). The node's raylet port is answered by the

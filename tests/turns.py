@@ -11,6 +11,8 @@ to a quarter of its own between them while it runs, so where all want a core, it
 fifths of it, and the other workers go on with their tests on what is left instead of waiting.
 Waiting cost the run 75-150 s of one worker's time (its test under way had to end before the
 `alone` test could start, then it sat idle while the `alone` test, which uses 0.7-1.9 cores, ran).
+A test that makes the machine busy on purpose (`alone(busy=True)`) takes the turn, so that no test
+that times ranks runs beside it, but lowers nobody (`turn`'s `lower`).
 
 Elsewhere every test holds a shared lock for its whole run (set-up, the module's cluster included,
 and teardown) and an `alone` test holds it exclusively, so the other worker waits between two of its
@@ -72,8 +74,12 @@ def _set_others(run: str, own: Path, lowered: bool) -> None:
 
 
 @contextlib.contextmanager
-def turn(alone: bool, own: Path | None, shared_tmp: Path) -> Iterator[None]:
-    """Around one test (its set-up and teardown included)."""
+def turn(alone: bool, own: Path | None, shared_tmp: Path, lower: bool = True) -> Iterator[None]:
+    """Around one test (its set-up and teardown included). `lower`: an `alone` test lowers the other
+    workers; one that makes the machine busy on purpose (`alone(busy=True)`) does not: its subject
+    needs the machine busy, which the other workers' load only adds to, and lowered beside it a Ray
+    start in another worker overran Ray's hard-coded 30 s (test_demo's local `--nodes 2` launch beside
+    the sixteen-ranks test: three runs of three, their modules together)."""
     run = _run()
     if not run:  # one process: nothing runs beside the test
         yield
@@ -86,13 +92,15 @@ def turn(alone: bool, own: Path | None, shared_tmp: Path) -> Iterator[None]:
             return
         with open(f"{base}.alone", "a") as lock:
             fcntl.flock(lock, fcntl.LOCK_EX)  # one `alone` test at a time
-            _set_others(run, own, lowered=True)
+            if lower:
+                _set_others(run, own, lowered=True)
             _holding = True
             try:
                 yield
             finally:
                 _holding = False
-                _set_others(run, own, lowered=False)
+                if lower:
+                    _set_others(run, own, lowered=False)
         return
     with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.lock", "a") as lock:
         fcntl.flock(turnstile, fcntl.LOCK_EX)
