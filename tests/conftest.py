@@ -199,9 +199,10 @@ def ray_starting() -> contextlib.AbstractContextManager[None]:
     """Around a test's own Ray starting (a fixture's cluster): Ray gives a node's raylet 30 s to
     register with its GCS (hard-coded in ray/_private/node.py), and a worker lowered beside another's
     `alone` test that makes the machine busy on purpose took longer (a fresh-clone run of 2026-12-07:
-    this fixture's `ray.init` and a `ray start` head, both beside the sixteen-ranks test). The start
-    waits for that test to end and has the cores while it runs (turns.others_lowered); inside an
-    `alone` test, which has them already, it just runs."""
+    this fixture's `ray.init` and a `ray start` head, both beside the sixteen-ranks test, which then
+    lowered the others; it lowers nobody now). The start waits for any `alone` test to end and has the
+    cores while it runs (turns.others_lowered); inside an `alone` test, which holds the turn already,
+    it just runs."""
     return turns.others_lowered(_own_group, _SHARED_TMP)
 
 
