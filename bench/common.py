@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -34,20 +34,50 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+_starting: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext
+
+
+def start_ray_with(starting: Callable[[], contextlib.AbstractContextManager[None]]) -> None:
+    """Around every Ray a bench starts from here on, `starting` (tests/test_bench.py: the suite's
+    `ray_starting`). Ray gives a node's raylet 30 s to register with its GCS, a bound hard-coded in
+    ray/_private/node.py; the suite runs these benches beside its other tests, which a test that
+    times ranks can lower to a quarter of the CPU (a fresh-clone CI run of 2026-12-07 failed so in
+    bench/failures.py's head). A bench run by hand has the machine and needs nothing."""
+    global _starting
+    _starting = starting
+
+
+def simulated_cluster(head: dict, nodes: list[dict]):
+    """A `ray.cluster_utils.Cluster`: its head (`head`, its arguments), then `nodes`, all registered;
+    started as `start_ray_with` asked."""
+    from ray.cluster_utils import Cluster
+
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
+    with _starting():
+        cluster = Cluster(initialize_head=True, head_node_args=head)
+        for node in nodes:
+            cluster.add_node(**node)
+        cluster.wait_for_nodes()
+    return cluster
+
+
+def local_ray(**init_args) -> None:
+    """`ray.init(address="local", ...)`, started as `start_ray_with` asked."""
+    import ray
+
+    with _starting():
+        ray.init(address="local", **init_args)
+
+
 @contextlib.contextmanager
 def ray_cluster(nodes: int, cpus_per_node: int, gpus_per_node: int = 0) -> Iterator[str]:
     """A running Ray cluster of `nodes` simulated nodes (the first is the head), stopped afterwards;
     yields its address. Only its own processes are stopped, never another Ray on the machine."""
-    from ray.cluster_utils import Cluster
-
     from launcher.driver.cluster.cluster import SIMULATED_NODE
 
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     args = {"num_cpus": cpus_per_node, "num_gpus": gpus_per_node}
-    cluster = Cluster(initialize_head=True, head_node_args={**args, "include_dashboard": False})
-    for _ in range(nodes - 1):
-        cluster.add_node(**args, **SIMULATED_NODE)
-    cluster.wait_for_nodes()
+    others = [{**args, **SIMULATED_NODE}] * (nodes - 1)
+    cluster = simulated_cluster({**args, "include_dashboard": False}, others)
     try:
         yield cluster.address
     finally:

@@ -25,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import PY, REPO, clean_env, median, quiet_port, stop_cluster, summary
+from common import PY, REPO, clean_env, median, quiet_port, simulated_cluster, stop_cluster, summary
 
 HEALTH = {"health_check_period_ms": 500, "health_check_failure_threshold": 3}
 # Ranks that train as a job would: a collective and a line of output every 0.1 s, so one stopped
@@ -248,18 +248,11 @@ def main(argv: list[str] | None = None) -> dict:
 
         return cut_link.main(["--repeats", str(args.repeats)])
     import ray
-    from ray.cluster_utils import Cluster
 
     from launcher.driver.cluster.cluster import SIMULATED_NODE
 
-    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
-    cluster = Cluster(
-        initialize_head=True,
-        head_node_args={"num_cpus": 0, "dashboard_port": quiet_port(), "_system_config": HEALTH},
-    )
-    for _ in range(2):
-        cluster.add_node(num_cpus=2, **SIMULATED_NODE)
-    cluster.wait_for_nodes()
+    head = {"num_cpus": 0, "dashboard_port": quiet_port(), "_system_config": HEALTH}
+    cluster = simulated_cluster(head, [{"num_cpus": 2, **SIMULATED_NODE}] * 2)
     ray.init(address=cluster.address, log_to_driver=False)
     results: dict[str, list[tuple[float, float]]] = {}
     restarts: dict[str, list[float]] = {}

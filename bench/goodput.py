@@ -37,7 +37,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import PY, REPO, clean_env, quiet_port, stop_cluster
+from common import PY, REPO, clean_env, quiet_port, simulated_cluster, stop_cluster
 
 PROGRAM = textwrap.dedent(
     """
@@ -123,7 +123,6 @@ def main() -> None:
     ap.add_argument("--slow-for", type=int, default=200)
     ap.add_argument("--iterations", type=int, default=600)
     a = ap.parse_args()
-    from ray.cluster_utils import Cluster
     from ray.util.state import list_actors
 
     from launcher.driver.cluster.cluster import SIMULATED_NODE
@@ -133,9 +132,9 @@ def main() -> None:
     program = work / "program.py"
     program.write_text(PROGRAM)
     port = quiet_port()  # the dashboard's, asked below for the lost rank's node
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 0, "dashboard_port": port})
-    nodes = [cluster.add_node(num_cpus=1, **SIMULATED_NODE) for _ in range(3)]
-    cluster.wait_for_nodes()
+    head = {"num_cpus": 0, "dashboard_port": port}
+    cluster = simulated_cluster(head, [{"num_cpus": 1, **SIMULATED_NODE}] * 3)
+    nodes = list(cluster.worker_nodes)
     try:
         args = (a.pace_s, a.startup_s, a.relaunch_s, a.save_s, a.load_s, a.save_every, a.iterations,
                 a.fail_at, a.slow_from, a.slow_for, work / "ckpt")  # fmt: skip

@@ -21,7 +21,7 @@ import sys
 import time
 
 import ray
-from common import median
+from common import local_ray, median
 from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
 
 
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     started = not ray.is_initialized()
     if started:
-        ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="ERROR")
+        local_ray(num_cpus=2, include_dashboard=False, logging_level="ERROR")
     try:
         created = actor_creation(args.actors, args.repeats)
         held = held_by_waits(args.slots)

@@ -4,9 +4,20 @@ from __future__ import annotations
 
 import sys
 
-from .conftest import REPO
+import pytest
+
+from .conftest import REPO, ray_starting
 
 sys.path.insert(0, str(REPO / "bench"))
+
+
+@pytest.fixture(autouse=True)
+def _benches_start_ray_as_the_suite_does():
+    """Each Ray a bench starts in this process waits for the turn the suite's own starts take
+    (conftest.ray_starting): CI failed the failures bench's head on Ray's 30 s beside the others."""
+    import common
+
+    common.start_ray_with(ray_starting)
 
 
 def test_teardown_measures_both_launchers(capsys):
