@@ -23,7 +23,7 @@ from launcher.megatron.bridge_target import build_config
 from launcher.megatron.facts import facts_from_config
 from launcher.megatron.preflight_process import starts_at_once
 
-from .conftest import FIXTURES, REPO
+from .conftest import FIXTURES, REPO, ray_starting
 
 
 @pytest.fixture(scope="module")
@@ -621,7 +621,8 @@ def test_the_ranks_import_while_the_preflight_runs_and_a_warm_recipe_pool_answer
         if not starts_at_once(os.cpu_count() or 1, 1):  # no core to spare for the preflight's process
             assert re.search(r"preflight in rank 0's process, bridge imported there \([\d.]+ s\)", err)
         assert "train_iters: 2" in (tmp_path / "runs" / "cold" / "config.yaml").read_text()
-        up = drive.run("up", "--warm", "--recipe", "gpt_small", "--gpus-per-node", "1", env=env)
+        with ray_starting():  # Ray gives its node 30 s (conftest.ray_starting)
+            up = drive.run("up", "--warm", "--recipe", "gpt_small", "--gpus-per-node", "1", env=env)
         assert up.returncode == 0 and "with Megatron-Bridge and recipe gpt_small imported" in up.stderr, (
             up.stderr[-2000:]
         )

@@ -271,7 +271,8 @@ def test_pools_run_programs_as_a_cold_start_refill_and_give_back_when_idle(env, 
     try:
         cold_log, cold = probe_run(env, tmp_path, "cold")  # no `megaray up`: a Ray started for the run
         assert "starting a local Ray for this run" in cold_log and "taking the" not in cold_log
-        up = megaray(env, "up", "--gpus-per-node", "2")
+        with ray_starting():  # Ray's 30 s for its node, as in the test above
+            up = megaray(env, "up", "--gpus-per-node", "2")
         assert up.returncode == 0 and "with a pool (one process per rank, started, nothing imported)" in (
             up.stderr
         ), up.stderr[-2000:]
@@ -280,7 +281,8 @@ def test_pools_run_programs_as_a_cold_start_refill_and_give_back_when_idle(env, 
         assert started == cold, differences(started, cold)
         # on the same pool, refilled: a launch whose driver was killed, then `down` while one runs
         a_pool_taken_by_a_launch_whose_driver_was_killed_is_free(env, tmp_path)
-        up = megaray(env, "up", "--gpus-per-node", "2", "--warm", "--idle-timeout", "12")
+        with ray_starting():
+            up = megaray(env, "up", "--gpus-per-node", "2", "--warm", "--idle-timeout", "12")
         assert up.returncode == 0 and "with a warm pool" in up.stderr, up.stderr[-2000:]
         listed = megaray(env, "list")
         assert re.search(
