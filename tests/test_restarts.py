@@ -136,129 +136,6 @@ def test_a_killed_rank_is_relaunched_and_training_resumes_from_the_last_checkpoi
     assert leftovers(job) == ([], [])
 
 
-def run_script(cluster, tmp_path: Path, job: str, text: str, args: str) -> tuple[int, str]:
-    """Run `text` as the script of a 2-node CPU launch with `args`; (exit code, output)."""
-    script = tmp_path / f"{job}.py"
-    script.write_text(text)
-    proc = driver(cluster, job, tmp_path, f"--device cpu --nodes 2 --gpus-per-node 1 {args} {script}")
-    out, _ = proc.communicate(timeout=240)
-    return proc.returncode, out
-
-
-def test_restarts_exhausted_fail_with_the_last_cause(cluster, tmp_path):
-    code, out = run_script(cluster, tmp_path, "exhaust", FAIL_ALWAYS, "--max-restarts 2")
-    assert code == 1, out[-4000:]
-    assert "restart 1 of 2 after: rank 1" in out and "restart 2 of 2 after: rank 1" in out
-    assert "restart 3" not in out
-    assert (
-        out.rstrip().splitlines()[-1].startswith("=" * 10)
-        and "rank one cannot go on" in out.split("restart 2")[1]
-    )
-    summary = json.loads((tmp_path / "exhaust" / "summary.json").read_text())
-    assert (summary["status"], summary["exit_code"], len(summary["restarts"])) == ("failed", 1, 2)
-    assert "rank one cannot go on" in summary["root_cause"]
-    assert "failures" in summary and set(summary) <= documented_fields("summary.json"), summary.keys()
-    assert leftovers("exhaust") == ([], [])
-
-
-def test_a_stopped_rank_is_reported_as_a_hang_with_stacks(cluster, tmp_path):
-    code, out = run_script(cluster, tmp_path, "hang", STOPPER, "--hang-timeout 10")
-    assert code == 1, out[-4000:]
-    root = out.split("Root cause (first failure):")[1]
-    assert "rank      : 1 of 2" in root and "process stopped (SIGSTOP)" in root
-    assert "no output or progress from any rank for" in root
-    others = root.split("Other failures:")[1]
-    assert "rank 0 on" in others and "barrier" in others  # the waiting peer's stack, read by py-spy
-    assert "stack of rank 0" in out
-    # found by the 10 s --hang-timeout once the ranks had printed, not the start-up grace (120 s); how
-    # long reading the stacks takes on a busy machine is bench/failures.py's to measure
-    idle = int(re.search(r"no output or progress from any rank for (\d+)s", root).group(1))
-    assert 10 <= idle < STARTUP_GRACE_S, idle
-    summary = json.loads((tmp_path / "hang" / "summary.json").read_text())
-    assert summary["status"] == "failed" and "SIGSTOP" in summary["root_cause"]
-    assert leftovers("hang") == ([], [])
-
-
-def _node_ids(ranks: list[dict]) -> list[str]:
-    """The node of each rank of topology.json, from its process (Ray keeps ended actors listed)."""
-    pids = [r["pid"] for r in ranks]
-    return [
-        next(a.node_id for a in list_actors(address=connected(), filters=[("pid", "=", p)])) for p in pids
-    ]
-
-
-def _node_of_rank(cluster, runs: Path, job: str, rank: int):
-    ip_pid = json.loads((runs / job / "topology.json").read_text())["ranks"][rank]["pid"]
-    node_id = next(a.node_id for a in list_actors(address=connected(), filters=[("pid", "=", ip_pid)]))
-    return next(n for n in cluster.worker_nodes if n.node_id == node_id)
-
-
-def test_a_lost_node_is_detected_and_the_job_relaunched_when_a_node_returns(cluster, tmp_path):
-    proc = driver(
-        cluster, "nodeloss", tmp_path, f"--nodes 2 --gpus-per-node 1 --max-restarts 1 {_loop(tmp_path)}"
-    )
-    wait_for_line(tmp_path / "nodeloss" / "rank-0.log", r"restart 0 step 5\b", proc)
-    wait_for_spares("nodeloss", 2, proc)
-    cluster.remove_node(_node_of_rank(cluster, tmp_path, "nodeloss", 1))
-    time.sleep(2)
-    cluster.add_node(**NODE)
-    out, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 0, out[-5000:]
-    assert "restart 1 of 1 after: rank" in out
-    # a spare was lost with the node: every rank is placed anew, on the node that came back (the spares
-    # are not even asked: the node is known lost)
-    assert "on a lost node: placing every rank anew" in out
-    assert "restart 1 step 2" in (tmp_path / "nodeloss" / "rank-0.log").read_text()
-    assert leftovers("nodeloss") == ([], [])
-
-
-def test_a_lost_node_that_never_returns_fails_clearly(cluster, tmp_path):
-    args = f"--nodes 2 --gpus-per-node 1 --max-restarts 1 --placement-timeout 5 {_loop(tmp_path)}"
-    proc = driver(cluster, "gone", tmp_path, args)
-    wait_for_line(tmp_path / "gone" / "rank-0.log", r"restart 0 step 5\b", proc)
-    cluster.remove_node(_node_of_rank(cluster, tmp_path, "gone", 1))
-    out, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 2, out[-5000:]
-    assert "restart 1 of 1 after: rank" in out
-    # named as the node it was, not as a process that exited
-    assert re.search(r"its node \S+ \(node id [0-9a-f]{8}\) was lost: .* it took rank\(s\) 1 with it", out)
-    last = out.splitlines()[-2] + out.splitlines()[-1]
-    assert "not placed within 5s" in last
-    assert re.search(r"left out: the node\(s\) this job lost, \S+ \(node id [0-9a-f]{8}\)", last), last  # #46
-    assert leftovers("gone") == ([], [])
-    cluster.add_node(**NODE)  # leave the cluster as the other tests found it
-
-
-def wait_for_spares(job: str, count: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
-    """Until `count` spares run beside the job's `count` ranks, in its groups (all unnamed)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        ids = {g["placement_group_id"] for g in ray.util.placement_group_table().values()
-               if g["name"].startswith(f"{job}-node") and g["state"] == "CREATED"}  # fmt: skip
-        alive = list_actors(address=connected(), filters=[("state", "=", "ALIVE")], limit=10000, detail=True)
-        if sum(a.class_name == "RankActor" and a.placement_group_id in ids for a in alive) == 2 * count:
-            return
-        assert proc.poll() is None, proc.communicate()[0][-4000:]
-        time.sleep(0.2)
-    raise AssertionError(f"the spares of {job} never started")
-
-
-def _loop(tmp_path: Path) -> Path:
-    script = tmp_path / "loop.py"
-    script.write_text(LOOP)
-    return script
-
-
-def test_stopping_a_job_with_warm_spares_leaves_nothing(cluster, tmp_path):
-    args = f"--nodes 2 --gpus-per-node 1 --max-restarts 1 {_loop(tmp_path)}"
-    proc = driver(cluster, "stopspares", tmp_path, args)
-    wait_for_spares("stopspares", 2, proc)
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=120)
-    assert proc.returncode == 130, out[-4000:]
-    assert leftovers("stopspares") == ([], [])
-
-
 # An unchanged gloo program: every step each rank computes (a sleep here), then an all-reduce. For
 # `balanced` seconds every rank takes 0.01-0.09 s at random, so that each waits for whoever was last, a
 # good share of the time; then rank 3 computes 0.2 s a step where the others take 0.05 s (the moment,
@@ -403,6 +280,129 @@ def test_a_slow_rank_is_named_and_its_node_dropped_at_the_next_checkpoint_and_ke
     spent = summary["goodput"]["seconds"]  # what it cost (#47): a share of the training while slow
     assert 0 < spent["straggler"] < spent["training"] and spent["restarts"] > 0, spent
     assert leftovers(job) == ([], [])
+
+
+def run_script(cluster, tmp_path: Path, job: str, text: str, args: str) -> tuple[int, str]:
+    """Run `text` as the script of a 2-node CPU launch with `args`; (exit code, output)."""
+    script = tmp_path / f"{job}.py"
+    script.write_text(text)
+    proc = driver(cluster, job, tmp_path, f"--device cpu --nodes 2 --gpus-per-node 1 {args} {script}")
+    out, _ = proc.communicate(timeout=240)
+    return proc.returncode, out
+
+
+def test_restarts_exhausted_fail_with_the_last_cause(cluster, tmp_path):
+    code, out = run_script(cluster, tmp_path, "exhaust", FAIL_ALWAYS, "--max-restarts 2")
+    assert code == 1, out[-4000:]
+    assert "restart 1 of 2 after: rank 1" in out and "restart 2 of 2 after: rank 1" in out
+    assert "restart 3" not in out
+    assert (
+        out.rstrip().splitlines()[-1].startswith("=" * 10)
+        and "rank one cannot go on" in out.split("restart 2")[1]
+    )
+    summary = json.loads((tmp_path / "exhaust" / "summary.json").read_text())
+    assert (summary["status"], summary["exit_code"], len(summary["restarts"])) == ("failed", 1, 2)
+    assert "rank one cannot go on" in summary["root_cause"]
+    assert "failures" in summary and set(summary) <= documented_fields("summary.json"), summary.keys()
+    assert leftovers("exhaust") == ([], [])
+
+
+def test_a_stopped_rank_is_reported_as_a_hang_with_stacks(cluster, tmp_path):
+    code, out = run_script(cluster, tmp_path, "hang", STOPPER, "--hang-timeout 10")
+    assert code == 1, out[-4000:]
+    root = out.split("Root cause (first failure):")[1]
+    assert "rank      : 1 of 2" in root and "process stopped (SIGSTOP)" in root
+    assert "no output or progress from any rank for" in root
+    others = root.split("Other failures:")[1]
+    assert "rank 0 on" in others and "barrier" in others  # the waiting peer's stack, read by py-spy
+    assert "stack of rank 0" in out
+    # found by the 10 s --hang-timeout once the ranks had printed, not the start-up grace (120 s); how
+    # long reading the stacks takes on a busy machine is bench/failures.py's to measure
+    idle = int(re.search(r"no output or progress from any rank for (\d+)s", root).group(1))
+    assert 10 <= idle < STARTUP_GRACE_S, idle
+    summary = json.loads((tmp_path / "hang" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "SIGSTOP" in summary["root_cause"]
+    assert leftovers("hang") == ([], [])
+
+
+def _node_ids(ranks: list[dict]) -> list[str]:
+    """The node of each rank of topology.json, from its process (Ray keeps ended actors listed)."""
+    pids = [r["pid"] for r in ranks]
+    return [
+        next(a.node_id for a in list_actors(address=connected(), filters=[("pid", "=", p)])) for p in pids
+    ]
+
+
+def _node_of_rank(cluster, runs: Path, job: str, rank: int):
+    ip_pid = json.loads((runs / job / "topology.json").read_text())["ranks"][rank]["pid"]
+    node_id = next(a.node_id for a in list_actors(address=connected(), filters=[("pid", "=", ip_pid)]))
+    return next(n for n in cluster.worker_nodes if n.node_id == node_id)
+
+
+def test_a_lost_node_is_detected_and_the_job_relaunched_when_a_node_returns(cluster, tmp_path):
+    proc = driver(
+        cluster, "nodeloss", tmp_path, f"--nodes 2 --gpus-per-node 1 --max-restarts 1 {_loop(tmp_path)}"
+    )
+    wait_for_line(tmp_path / "nodeloss" / "rank-0.log", r"restart 0 step 5\b", proc)
+    wait_for_spares("nodeloss", 2, proc)
+    cluster.remove_node(_node_of_rank(cluster, tmp_path, "nodeloss", 1))
+    time.sleep(2)
+    cluster.add_node(**NODE)
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, out[-5000:]
+    assert "restart 1 of 1 after: rank" in out
+    # a spare was lost with the node: every rank is placed anew, on the node that came back (the spares
+    # are not even asked: the node is known lost)
+    assert "on a lost node: placing every rank anew" in out
+    assert "restart 1 step 2" in (tmp_path / "nodeloss" / "rank-0.log").read_text()
+    assert leftovers("nodeloss") == ([], [])
+
+
+def test_a_lost_node_that_never_returns_fails_clearly(cluster, tmp_path):
+    args = f"--nodes 2 --gpus-per-node 1 --max-restarts 1 --placement-timeout 5 {_loop(tmp_path)}"
+    proc = driver(cluster, "gone", tmp_path, args)
+    wait_for_line(tmp_path / "gone" / "rank-0.log", r"restart 0 step 5\b", proc)
+    cluster.remove_node(_node_of_rank(cluster, tmp_path, "gone", 1))
+    out, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 2, out[-5000:]
+    assert "restart 1 of 1 after: rank" in out
+    # named as the node it was, not as a process that exited
+    assert re.search(r"its node \S+ \(node id [0-9a-f]{8}\) was lost: .* it took rank\(s\) 1 with it", out)
+    last = out.splitlines()[-2] + out.splitlines()[-1]
+    assert "not placed within 5s" in last
+    assert re.search(r"left out: the node\(s\) this job lost, \S+ \(node id [0-9a-f]{8}\)", last), last  # #46
+    assert leftovers("gone") == ([], [])
+    cluster.add_node(**NODE)  # leave the cluster as the other tests found it
+
+
+def wait_for_spares(job: str, count: int, proc: subprocess.Popen, timeout_s: float = 120) -> None:
+    """Until `count` spares run beside the job's `count` ranks, in its groups (all unnamed)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        ids = {g["placement_group_id"] for g in ray.util.placement_group_table().values()
+               if g["name"].startswith(f"{job}-node") and g["state"] == "CREATED"}  # fmt: skip
+        alive = list_actors(address=connected(), filters=[("state", "=", "ALIVE")], limit=10000, detail=True)
+        if sum(a.class_name == "RankActor" and a.placement_group_id in ids for a in alive) == 2 * count:
+            return
+        assert proc.poll() is None, proc.communicate()[0][-4000:]
+        time.sleep(0.2)
+    raise AssertionError(f"the spares of {job} never started")
+
+
+def _loop(tmp_path: Path) -> Path:
+    script = tmp_path / "loop.py"
+    script.write_text(LOOP)
+    return script
+
+
+def test_stopping_a_job_with_warm_spares_leaves_nothing(cluster, tmp_path):
+    args = f"--nodes 2 --gpus-per-node 1 --max-restarts 1 {_loop(tmp_path)}"
+    proc = driver(cluster, "stopspares", tmp_path, args)
+    wait_for_spares("stopspares", 2, proc)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 130, out[-4000:]
+    assert leftovers("stopspares") == ([], [])
 
 
 def test_nodes_min_max_starts_on_what_the_cluster_holds_and_goes_on_with_fewer_after_a_lost_node(
