@@ -255,7 +255,7 @@ KINDS = {
     "test_up": ("cluster", "slow"),
 }
 
-# Seconds each module took on 2 cores (a fresh-clone run of 2026-12-01, `-p tests.cpu_per_test`):
+# Seconds each module took on 2 cores (a fresh-clone run of 2026-12-07, `-p tests.cpu_per_test`):
 # pytest-xdist hands whole modules to its workers (`--dist loadfile`, so a module's cluster is started
 # once) in this order (`--no-loadscope-reorder`), longest first, so that no long module starts last
 # while the other worker sits idle (test_submit, ranked by last week's figures, ran last in one
@@ -273,10 +273,10 @@ FIRST = (
     "test_netns", "test_ray_start", "test_restarts", "test_one_node", "test_rank_failures", "test_addresses",
 )  # fmt: skip
 SECONDS = {
-    "test_restarts": 251, "test_up": 148, "test_netns": 145, "test_bench": 141, "test_megatron": 113,
-    "test_ray_start": 112, "test_rank_failures": 103, "test_multi_node": 82, "test_process": 81,
-    "test_metrics": 77, "test_one_node": 71, "test_demo": 58, "test_submit": 46, "test_gpu_suite": 44,
-    "test_addresses": 31, "test_examples": 16,
+    "test_restarts": 299, "test_netns": 235, "test_up": 235, "test_megatron": 201, "test_ray_start": 192,
+    "test_rank_failures": 139, "test_process": 134, "test_bench": 128, "test_multi_node": 118,
+    "test_one_node": 116, "test_demo": 100, "test_metrics": 92, "test_gpu_suite": 91, "test_addresses": 80,
+    "test_submit": 57, "test_examples": 23,
 }  # fmt: skip
 
 
