@@ -255,7 +255,7 @@ KINDS = {
     "test_up": ("cluster", "slow"),
 }
 
-# Seconds each module took on 2 cores (a fresh-clone run of 2026-12-07, `-p tests.cpu_per_test`):
+# Seconds each module took on 2 cores (two fresh-clone runs of 2026-12-07, `-p tests.cpu_per_test`):
 # pytest-xdist hands whole modules to its workers (`--dist loadfile`, so a module's cluster is started
 # once) in this order (`--no-loadscope-reorder`), longest first, so that no long module starts last
 # while the other worker sits idle (test_submit, ranked by last week's figures, ran last in one
@@ -273,10 +273,10 @@ FIRST = (
     "test_netns", "test_ray_start", "test_restarts", "test_one_node", "test_rank_failures", "test_addresses",
 )  # fmt: skip
 SECONDS = {
-    "test_restarts": 299, "test_netns": 235, "test_up": 235, "test_megatron": 201, "test_ray_start": 192,
-    "test_rank_failures": 139, "test_process": 134, "test_bench": 128, "test_multi_node": 118,
-    "test_one_node": 116, "test_demo": 100, "test_metrics": 92, "test_gpu_suite": 91, "test_addresses": 80,
-    "test_submit": 57, "test_examples": 23,
+    "test_restarts": 298, "test_netns": 228, "test_up": 219, "test_ray_start": 187, "test_megatron": 175,
+    "test_rank_failures": 140, "test_bench": 131, "test_multi_node": 126, "test_process": 121,
+    "test_one_node": 114, "test_metrics": 101, "test_demo": 88, "test_addresses": 80, "test_gpu_suite": 73,
+    "test_submit": 63, "test_examples": 29,
 }  # fmt: skip
 
 
