@@ -301,5 +301,6 @@ def pytest_collection_modifyitems(config, items):
 def pytest_runtest_protocol(item, nextitem):
     alone = item.get_closest_marker("alone")
     busy = alone is not None and alone.kwargs.get("busy", False)
-    with turns.turn(alone is not None, _own_group, _SHARED_TMP, lower=not busy):
+    quiet = item.get_closest_marker("quiet") is not None
+    with turns.turn(alone is not None, _own_group, _SHARED_TMP, lower=not busy, busy=busy, quiet=quiet):
         yield

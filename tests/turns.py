@@ -12,7 +12,8 @@ fifths of it, and the other workers go on with their tests on what is left inste
 Waiting cost the run 75-150 s of one worker's time (its test under way had to end before the
 `alone` test could start, then it sat idle while the `alone` test, which uses 0.7-1.9 cores, ran).
 A test that makes the machine busy on purpose (`alone(busy=True)`) takes the turn, so that no test
-that times ranks runs beside it, but lowers nobody (`turn`'s `lower`).
+that times ranks runs beside it, but lowers nobody (`turn`'s `lower`). A test that mostly waits out
+a bound in seconds (`quiet`) is kept from the busy ones alone.
 
 Elsewhere every test holds a shared lock for its whole run (set-up, the module's cluster included,
 and teardown) and an `alone` test holds it exclusively, so the other worker waits between two of its
@@ -74,12 +75,26 @@ def _set_others(run: str, own: Path, lowered: bool) -> None:
 
 
 @contextlib.contextmanager
-def turn(alone: bool, own: Path | None, shared_tmp: Path, lower: bool = True) -> Iterator[None]:
+def turn(
+    alone: bool,
+    own: Path | None,
+    shared_tmp: Path,
+    lower: bool = True,
+    busy: bool = False,
+    quiet: bool = False,
+) -> Iterator[None]:
     """Around one test (its set-up and teardown included). `lower`: an `alone` test lowers the other
-    workers; one that makes the machine busy on purpose (`alone(busy=True)`) does not: its subject
-    needs the machine busy, which the other workers' load only adds to, and lowered beside it a Ray
-    start in another worker overran Ray's hard-coded 30 s (test_demo's local `--nodes 2` launch beside
-    the sixteen-ranks test: three runs of three, their modules together)."""
+    workers; one that makes the machine busy on purpose (`busy`: `alone(busy=True)`) does not: its
+    subject needs the machine busy, which the other workers' load only adds to, and lowered beside it a
+    Ray start in another worker overran Ray's hard-coded 30 s (test_demo's local `--nodes 2` launch
+    beside the sixteen-ranks test: three runs of three, their modules together).
+
+    `quiet` (the `quiet` marker): a test that mostly waits, with a bound in seconds, is never beside a
+    `busy` one, and takes no turn from anything else: it lowers nobody, and the other workers' Ray
+    starts and `alone` tests go on beside it. (test_addresses was `alone`: while its cases waited out
+    their bounds, the other workers' Ray starts waited for them, ~40 s of a worker idle in a run.) A
+    `busy` test takes the busy lock before the `alone` one, so that a quiet test's own Ray start (which
+    takes the `alone` turn) never waits on a busy test that waits on the quiet test."""
     run = _run()
     if not run:  # one process: nothing runs beside the test
         yield
@@ -87,10 +102,17 @@ def turn(alone: bool, own: Path | None, shared_tmp: Path, lower: bool = True) ->
     base = shared_tmp / f"megaray-tests-{run}"
     if own is not None:
         global _holding
+        if quiet:
+            with open(f"{base}.busy", "a") as busy_lock:
+                fcntl.flock(busy_lock, fcntl.LOCK_SH)  # never beside a busy test; beside the others
+                yield
+            return
         if not alone or _holding:  # a second flock of the file from this process would wait for ever
             yield
             return
-        with open(f"{base}.alone", "a") as lock:
+        with open(f"{base}.busy", "a") as busy_lock, open(f"{base}.alone", "a") as lock:
+            if busy:
+                fcntl.flock(busy_lock, fcntl.LOCK_EX)  # no quiet test beside it
             fcntl.flock(lock, fcntl.LOCK_EX)  # one `alone` test at a time
             if lower:
                 _set_others(run, own, lowered=True)
@@ -103,9 +125,10 @@ def turn(alone: bool, own: Path | None, shared_tmp: Path, lower: bool = True) ->
                     _set_others(run, own, lowered=False)
         return
     with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.lock", "a") as lock:
+        exclusive = alone or quiet  # quiet: on its own, where the turns are locks
         fcntl.flock(turnstile, fcntl.LOCK_EX)
-        fcntl.flock(lock, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
-        if not alone:
+        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        if not exclusive:
             fcntl.flock(turnstile, fcntl.LOCK_UN)
         try:
             yield
