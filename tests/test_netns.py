@@ -156,40 +156,6 @@ def test_submit_runs_a_job_through_the_head_s_dashboard_on_its_namespace_ip(mach
     assert _left_on_the_cluster(dashboard, "nssubmit") == "[] []"
 
 
-def test_a_node_that_cannot_reach_another_is_named_by_the_doctor_and_at_launch(machines, tmp_path):
-    # Machine 2 (10.77.0.11) drops what it sends to machine 1 (10.77.0.9, rank 0's): a firewall between
-    # two workers. Ray's own traffic goes through the head (10.77.0.10) and keeps working.
-    import time
-
-    route = ["ip", "netns", "exec", "mrn2", "ip", "route"]
-    subprocess.run([*route, "add", "blackhole", "10.77.0.9/32"], check=True, timeout=30)
-    try:
-        doctor = ["doctor", "--address", machines]
-        p = drive.run(*doctor, env=_env(), timeout=300)
-        assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
-        assert re.search(r"^\s+2 10\.77\.0\.11\s+mrw2\s+FAIL\s+ok\s+-", p.stdout, flags=re.M), p.stdout[
-            -2000:
-        ]
-        assert (
-            "node 2 (10.77.0.11, mrw2) cannot reach node 0 (10.77.0.9, mrw1) on the rendezvous ports"
-            in p.stderr
-        )
-        t0 = time.monotonic()
-        cmd = ["--address", machines, "--device", "cpu", "--nodes", "3",
-               "--job-name", "blackhole", "--runs-dir", str(tmp_path),
-               "examples/torchrun_script.py"]  # fmt: skip
-        p = drive.run(*cmd, env=_env(), timeout=300)
-        assert p.returncode == 2, p.stdout[-3000:] + p.stderr[-3000:]
-        line = next(ln for ln in p.stderr.splitlines() if ln.startswith("megaray: error:"))
-        assert "rank 2 on 10.77.0.11 (" in line and "interface mrw2) cannot reach the rendezvous" in line
-        assert "= 10.77.0.9:" in line and "interface mrw1)" in line and "Traceback" not in p.stderr
-        assert time.monotonic() - t0 < 60
-        dashboard = _dashboard(machines)
-        assert _left_on_the_cluster(dashboard, "blackhole") == "[] []"
-    finally:
-        subprocess.run([*route, "del", "blackhole", "10.77.0.9/32"], timeout=30)
-
-
 LOOP = """
 import time, torch, torch.distributed as dist
 dist.init_process_group("gloo")
@@ -283,6 +249,40 @@ def test_nodes_min_max_shrinks_on_a_cut_link_and_grows_back_when_it_heals(machin
     assert last["nodes"]["running"] == 3 and worker in {r["node_ip"] for r in last["ranks"]}
     dashboard = _dashboard(machines)
     assert _left_on_the_cluster(dashboard, job) == "[] []"
+
+
+def test_a_node_that_cannot_reach_another_is_named_by_the_doctor_and_at_launch(machines, tmp_path):
+    # Machine 2 (10.77.0.11) drops what it sends to machine 1 (10.77.0.9, rank 0's): a firewall between
+    # two workers. Ray's own traffic goes through the head (10.77.0.10) and keeps working.
+    import time
+
+    route = ["ip", "netns", "exec", "mrn2", "ip", "route"]
+    subprocess.run([*route, "add", "blackhole", "10.77.0.9/32"], check=True, timeout=30)
+    try:
+        doctor = ["doctor", "--address", machines]
+        p = drive.run(*doctor, env=_env(), timeout=300)
+        assert p.returncode == 1, p.stdout[-3000:] + p.stderr[-3000:]
+        assert re.search(r"^\s+2 10\.77\.0\.11\s+mrw2\s+FAIL\s+ok\s+-", p.stdout, flags=re.M), p.stdout[
+            -2000:
+        ]
+        assert (
+            "node 2 (10.77.0.11, mrw2) cannot reach node 0 (10.77.0.9, mrw1) on the rendezvous ports"
+            in p.stderr
+        )
+        t0 = time.monotonic()
+        cmd = ["--address", machines, "--device", "cpu", "--nodes", "3",
+               "--job-name", "blackhole", "--runs-dir", str(tmp_path),
+               "examples/torchrun_script.py"]  # fmt: skip
+        p = drive.run(*cmd, env=_env(), timeout=300)
+        assert p.returncode == 2, p.stdout[-3000:] + p.stderr[-3000:]
+        line = next(ln for ln in p.stderr.splitlines() if ln.startswith("megaray: error:"))
+        assert "rank 2 on 10.77.0.11 (" in line and "interface mrw2) cannot reach the rendezvous" in line
+        assert "= 10.77.0.9:" in line and "interface mrw1)" in line and "Traceback" not in p.stderr
+        assert time.monotonic() - t0 < 60
+        dashboard = _dashboard(machines)
+        assert _left_on_the_cluster(dashboard, "blackhole") == "[] []"
+    finally:
+        subprocess.run([*route, "del", "blackhole", "10.77.0.9/32"], timeout=30)
 
 
 CUT: list[str] = []  # the machines cut so far (they stay lost until the module's teardown)
