@@ -299,8 +299,13 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    alone = item.get_closest_marker("alone")
-    busy = alone is not None and alone.kwargs.get("busy", False)
-    quiet = item.get_closest_marker("quiet") is not None
-    with turns.turn(alone is not None, _own_group, _SHARED_TMP, lower=not busy, busy=busy, quiet=quiet):
+    with turns.turn(turn_of(item), _own_group, _SHARED_TMP):
         yield
+
+
+def turn_of(item) -> turns.Turn:
+    """The test's turn, from its markers (pyproject.toml: `alone`, `alone(busy=True)`, `quiet`)."""
+    alone = item.get_closest_marker("alone")
+    if alone is not None:
+        return turns.Turn.BUSY if alone.kwargs.get("busy", False) else turns.Turn.ALONE
+    return turns.Turn.QUIET if item.get_closest_marker("quiet") is not None else turns.Turn.SHARED

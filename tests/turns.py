@@ -12,7 +12,7 @@ fifths of it, and the other workers go on with their tests on what is left inste
 Waiting cost the run 75-150 s of one worker's time (its test under way had to end before the
 `alone` test could start, then it sat idle while the `alone` test, which uses 0.7-1.9 cores, ran).
 A test that makes the machine busy on purpose (`alone(busy=True)`) takes the turn, so that no test
-that times ranks runs beside it, but lowers nobody (`turn`'s `lower`). A test that mostly waits out
+that times ranks runs beside it, but lowers nobody (`Turn.BUSY`). A test that mostly waits out
 a bound in seconds (`quiet`) is kept from the busy ones alone.
 
 Elsewhere every test holds a shared lock for its whole run (set-up, the module's cluster included,
@@ -24,6 +24,7 @@ one.
 from __future__ import annotations
 
 import contextlib
+import enum
 import fcntl
 import os
 from collections.abc import Iterator
@@ -33,6 +34,15 @@ _CPU = Path("/sys/fs/cgroup/cpu")
 _SHARES = 1024  # the kernel's default weight
 _LOWERED = _SHARES // 4  # the other workers' weight together, while an `alone` test runs
 _holding = False  # this worker has the `alone` turn: a turn asked inside it (others_lowered) has it too
+
+
+class Turn(enum.Enum):
+    """What a test asks of the other workers (its markers: conftest.py's `turn_of`)."""
+
+    SHARED = "shared"  # nothing: it runs beside anything
+    ALONE = "alone"  # `alone`: one at a time, the other workers lowered
+    BUSY = "busy"  # `alone(busy=True)`: one at a time with the `alone` ones, nobody lowered, no quiet one
+    QUIET = "quiet"  # `quiet`: never beside a busy one; beside anything else
 
 
 def _run() -> str | None:
@@ -75,26 +85,19 @@ def _set_others(run: str, own: Path, lowered: bool) -> None:
 
 
 @contextlib.contextmanager
-def turn(
-    alone: bool,
-    own: Path | None,
-    shared_tmp: Path,
-    lower: bool = True,
-    busy: bool = False,
-    quiet: bool = False,
-) -> Iterator[None]:
-    """Around one test (its set-up and teardown included). `lower`: an `alone` test lowers the other
-    workers; one that makes the machine busy on purpose (`busy`: `alone(busy=True)`) does not: its
-    subject needs the machine busy, which the other workers' load only adds to, and lowered beside it a
-    Ray start in another worker overran Ray's hard-coded 30 s (test_demo's local `--nodes 2` launch
-    beside the sixteen-ranks test: three runs of three, their modules together).
+def turn(kind: Turn, own: Path | None, shared_tmp: Path) -> Iterator[None]:
+    """Around one test (its set-up and teardown included). An `alone` test lowers the other workers;
+    one that makes the machine busy on purpose (BUSY) does not: its subject needs the machine busy,
+    which the other workers' load only adds to, and lowered beside it a Ray start in another worker
+    overran Ray's hard-coded 30 s (test_demo's local `--nodes 2` launch beside the sixteen-ranks test:
+    three runs of three, their modules together).
 
-    `quiet` (the `quiet` marker): a test that mostly waits, with a bound in seconds, is never beside a
-    `busy` one, and takes no turn from anything else: it lowers nobody, and the other workers' Ray
-    starts and `alone` tests go on beside it. (test_addresses was `alone`: while its cases waited out
-    their bounds, the other workers' Ray starts waited for them, ~40 s of a worker idle in a run.) A
-    `busy` test takes the busy lock before the `alone` one, so that a quiet test's own Ray start (which
-    takes the `alone` turn) never waits on a busy test that waits on the quiet test."""
+    QUIET: a test that mostly waits, with a bound in seconds, is never beside a BUSY one, and takes no
+    turn from anything else: it lowers nobody, and the other workers' Ray starts and `alone` tests go
+    on beside it. (test_addresses was `alone`: while its cases waited out their bounds, the other
+    workers' Ray starts waited for them, ~40 s of a worker idle in a run.) A BUSY test takes the busy
+    lock before the `alone` one, so that a quiet test's own Ray start (which takes the `alone` turn)
+    never waits on a busy test that waits on the quiet test."""
     run = _run()
     if not run:  # one process: nothing runs beside the test
         yield
@@ -102,16 +105,18 @@ def turn(
     base = shared_tmp / f"megaray-tests-{run}"
     if own is not None:
         global _holding
-        if quiet:
+        if kind is Turn.QUIET:
             with open(f"{base}.busy", "a") as busy_lock:
                 fcntl.flock(busy_lock, fcntl.LOCK_SH)  # never beside a busy test; beside the others
                 yield
             return
-        if not alone or _holding:  # a second flock of the file from this process would wait for ever
+        # inside a turn held already: a second flock of the file from this process would wait for ever
+        if kind is Turn.SHARED or _holding:
             yield
             return
+        lower = kind is Turn.ALONE
         with open(f"{base}.busy", "a") as busy_lock, open(f"{base}.alone", "a") as lock:
-            if busy:
+            if kind is Turn.BUSY:
                 fcntl.flock(busy_lock, fcntl.LOCK_EX)  # no quiet test beside it
             fcntl.flock(lock, fcntl.LOCK_EX)  # one `alone` test at a time
             if lower:
@@ -125,7 +130,7 @@ def turn(
                     _set_others(run, own, lowered=False)
         return
     with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.lock", "a") as lock:
-        exclusive = alone or quiet  # quiet: on its own, where the turns are locks
+        exclusive = kind is not Turn.SHARED  # quiet too: on its own, where the turns are locks
         fcntl.flock(turnstile, fcntl.LOCK_EX)
         fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
         if not exclusive:
@@ -147,5 +152,5 @@ def others_lowered(own: Path | None, shared_tmp: Path) -> Iterator[None]:
     if own is None:
         yield
         return
-    with turn(True, own, shared_tmp):
+    with turn(Turn.ALONE, own, shared_tmp):
         yield
