@@ -39,6 +39,10 @@ def test_readme_demo_dry_run_on_two_simulated_nodes():
     assert re.search(r"progress: iteration 20/20 \| loss [\d.]+ \| [\d.]+k? tokens/s \| ETA 0s", out), out
 
 
+# a row of the launch's topology table for a CPU rank: rank, node, ..., local_rank, no GPU, pid
+TOPOLOGY_ROW = r"^\s+(\d)\s+(\d)\s+\S+\s+\S+\s+(\d)\s+-\s+\d+$"
+
+
 def test_a_plain_torchrun_script_runs_locally_on_more_ranks_than_cores():
     # No address: 4 ranks on this 2-core machine, as torchrun would start them. (On 2 simulated nodes, a
     # program of the user's: test_local_ranks_get_the_shells_variables_but_not_its_sessions; a gloo
@@ -50,10 +54,6 @@ def test_a_plain_torchrun_script_runs_locally_on_more_ranks_than_cores():
     rows = re.findall(TOPOLOGY_ROW, out, flags=re.M)
     assert {int(n) for _, n, _ in rows} == {0} and len(rows) == 4
     assert out.count("sum=6 expected=6") == 4
-
-
-# a row of the launch's topology table for a CPU rank: rank, node, ..., local_rank, no GPU, pid
-TOPOLOGY_ROW = r"^\s+(\d)\s+(\d)\s+\S+\s+\S+\s+(\d)\s+-\s+\d+$"
 
 
 def test_a_gpu_launch_on_a_machine_without_gpus_is_refused_before_a_ray_starts():
