@@ -349,3 +349,29 @@ except KeyboardInterrupt as e:
     assert p.stderr == ""
     with pytest.raises(AttributeError), EarlyInterrupt().installed():  # no Ctrl-C: an error is itself
         raise AttributeError("x")
+
+
+def test_a_ctrl_c_while_a_ray_starts_here_is_acted_on_once_the_start_returns():
+    """CI: Ctrl-C 3 s into a local launch, while its Ray started, and the driver said nothing more for
+    60 s. Held there, the first Ctrl-C is raised once the start is done (its Ray then stopped as after
+    any Ctrl-C); a second is raised at once; outside, one is raised where it lands."""
+    import os
+
+    early = EarlyInterrupt()
+    with early.installed():
+        with pytest.raises(KeyboardInterrupt), early.held():
+            os.kill(os.getpid(), signal.SIGINT)
+            for _ in range(1000):
+                pass  # the handler runs here, and raises nothing
+            started = True
+        assert started
+    again = EarlyInterrupt()
+    with again.installed():
+        with pytest.raises(KeyboardInterrupt), again.held():
+            os.kill(os.getpid(), signal.SIGINT)
+            with pytest.raises(KeyboardInterrupt):
+                os.kill(os.getpid(), signal.SIGINT)  # a second: at once
+                for _ in range(1000):
+                    pass
+    with EarlyInterrupt().installed(), early.held():
+        pass  # not the handler installed: nothing held, nothing raised

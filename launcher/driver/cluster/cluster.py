@@ -8,7 +8,7 @@ import math
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -112,8 +112,16 @@ def _started_in_time() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def connect(spec: LaunchSpec, *, exits_after: bool = False) -> Iterator[Cluster]:
+def connect(
+    spec: LaunchSpec,
+    *,
+    exits_after: bool = False,
+    hold_interrupts: Callable[[], contextlib.AbstractContextManager[None]] = contextlib.nullcontext,
+) -> Iterator[Cluster]:
     """Yield a connected cluster; disconnect (and stop what we started) afterwards.
+
+    `hold_interrupts`: around starting a Ray here (a local one, a simulated cluster), so that a
+    Ctrl-C is acted on once the start has returned (driver/lifecycle/stop.py `EarlyInterrupt.held`).
 
     `exits_after`: the process ends the moment the command returns (cli/main.py `entry`), so a
     connection to a cluster megaray did not start is not shut down first (about 0.25 s in Ray's core
@@ -156,6 +164,7 @@ def connect(spec: LaunchSpec, *, exits_after: bool = False) -> Iterator[Cluster]
                 node_environment(),
                 rayprivate.only_what_one_launch_uses(log_monitor=streams),
                 _started_in_time(),
+                hold_interrupts(),
             ):
                 sim = _simulate(spec)
             _init(address=sim.address, log_to_driver=streams)
@@ -175,6 +184,7 @@ def connect(spec: LaunchSpec, *, exits_after: bool = False) -> Iterator[Cluster]
                 node_environment(),
                 rayprivate.only_what_one_launch_uses(log_monitor=streams),
                 _started_in_time(),
+                hold_interrupts(),
             ):
                 _init(address="local", include_dashboard=False, num_cpus=cpus, log_to_driver=streams,
                       _system_config=rayprivate.RUN_RAY_CONFIG)  # fmt: skip

@@ -113,7 +113,7 @@ def _run(
     try:
         # After connecting: ray.init installs its own fatal-signal handler for SIGTERM, which would
         # end the driver without teardown.
-        with connect(spec, exits_after=exits_after) as cluster, stop.installed():
+        with connect(spec, exits_after=exits_after, hold_interrupts=early.held) as cluster, stop.installed():
             early.check()
             stop.check()  # a refusal that came while connecting
             run = plan.run = RunDir(spec.run_dir)
