@@ -366,12 +366,11 @@ def test_a_ctrl_c_while_a_ray_starts_here_is_acted_on_once_the_start_returns():
             started = True
         assert started
     again = EarlyInterrupt()
-    with again.installed():
-        with pytest.raises(KeyboardInterrupt), again.held():
-            os.kill(os.getpid(), signal.SIGINT)
-            with pytest.raises(KeyboardInterrupt):
-                os.kill(os.getpid(), signal.SIGINT)  # a second: at once
-                for _ in range(1000):
-                    pass
+    with again.installed(), pytest.raises(KeyboardInterrupt), again.held():
+        os.kill(os.getpid(), signal.SIGINT)
+        with pytest.raises(KeyboardInterrupt):
+            os.kill(os.getpid(), signal.SIGINT)  # a second: at once
+            for _ in range(1000):
+                pass
     with EarlyInterrupt().installed(), early.held():
         pass  # not the handler installed: nothing held, nothing raised
