@@ -47,6 +47,12 @@ def start_ray_with(starting: Callable[[], contextlib.AbstractContextManager[None
     _starting = starting
 
 
+# Each node's dashboard agent on a free port, not Ray's default (52365), which another Ray of this
+# machine may hold (a node that finds it taken retries it ~3.4 s before it registers) or need (a
+# cluster that serves jobs there): as megaray's own simulated nodes (driver/cluster/rayprivate.py)
+AGENT_ANY_PORT = {"dashboard_agent_listen_port": 0}
+
+
 def simulated_cluster(head: dict, nodes: list[dict]):
     """A `ray.cluster_utils.Cluster`: its head (`head`, its arguments), then `nodes`, all registered;
     started as `start_ray_with` asked."""
@@ -54,9 +60,9 @@ def simulated_cluster(head: dict, nodes: list[dict]):
 
     os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     with _starting():
-        cluster = Cluster(initialize_head=True, head_node_args=head)
+        cluster = Cluster(initialize_head=True, head_node_args={**AGENT_ANY_PORT, **head})
         for node in nodes:
-            cluster.add_node(**node)
+            cluster.add_node(**AGENT_ANY_PORT, **node)
         cluster.wait_for_nodes()
     return cluster
 

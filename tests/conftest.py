@@ -180,6 +180,14 @@ def one_node():
     yield
 
 
+# Each node's dashboard agent listens on a free port, not on Ray's default (52365): the namespace
+# cluster's head (test_netns, started beside this at the run's start) serves jobs on that one, and a
+# fresh-clone run's submit failed ("No available agent to submit job") where test_restarts' head took it
+# first; a node that finds it taken retries it for ~3.4 s before it registers. (megaray's own local and
+# simulated Rays do the same: driver/cluster/rayprivate.py `only_what_one_launch_uses`.)
+AGENT_ANY_PORT = {"dashboard_agent_listen_port": 0}
+
+
 def simulated_cluster(head: dict, nodes: list[dict]):
     """A module's simulated cluster (ray.cluster_utils): a head of 1 CPU and no GPU with its dashboard
     on a port of the suite's (`head` adds to its arguments), then `nodes`, all registered; started
@@ -187,10 +195,10 @@ def simulated_cluster(head: dict, nodes: list[dict]):
     from ray.cluster_utils import Cluster
 
     with ray_starting():
-        args = {"num_cpus": 1, "num_gpus": 0, "dashboard_port": free_port(), **head}
+        args = {"num_cpus": 1, "num_gpus": 0, "dashboard_port": free_port(), **AGENT_ANY_PORT, **head}
         c = Cluster(initialize_head=True, head_node_args=args)
         for node in nodes:
-            c.add_node(**node)
+            c.add_node(**AGENT_ANY_PORT, **node)
         c.wait_for_nodes()
     return c
 
