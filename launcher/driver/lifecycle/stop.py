@@ -77,7 +77,6 @@ class EarlyInterrupt:
     def __init__(self):
         self.received = False
         self._holding = False  # inside `held()`: a first Ctrl-C is remembered, not raised
-        self._ours = False  # the handler is installed (main thread)
 
     def check(self) -> None:
         if self.received:
@@ -99,7 +98,7 @@ class EarlyInterrupt:
         is lost there: CI saw a driver given Ctrl-C 3 s into a local launch say nothing more for
         60 s, its last line "starting a local Ray". The start is bounded (Ray gives its node 30 s);
         a second Ctrl-C is raised at once, as Python's own handler would."""
-        if not self._ours:
+        if signal.getsignal(signal.SIGINT) != self._handle:  # not installed (not the main thread)
             yield
             return
         self._holding = True
@@ -115,7 +114,6 @@ class EarlyInterrupt:
             yield self
             return
         old_handler = signal.signal(signal.SIGINT, self._handle)
-        self._ours = True
         old_hook = sys.unraisablehook
 
         def hook(unraisable) -> None:
@@ -131,5 +129,4 @@ class EarlyInterrupt:
             raise
         finally:
             signal.signal(signal.SIGINT, old_handler)
-            self._ours = False
             sys.unraisablehook = old_hook
