@@ -273,12 +273,14 @@ KINDS = {
 # machine with defaults would hold first; beside it run test_ray_start (its clusters take free ports),
 # then modules whose Rays start no client server (a Cluster head, a local ray.init: their job agent
 # goes without its port, which they do not use) until it is done: not `megaray up` (test_up,
-# test_bench), which starts `ray start --head` with the defaults. Last of FIRST, test_addresses: most
-# of its 33 s is waiting out bounded connections (13 CPU-s), which costs nothing beside a module that
-# keeps the cores busy, and left the cores half idle at the run's end.
+# test_bench), which starts `ray start --head` with the defaults. test_addresses goes first of all:
+# most of its time is waiting out bounded connections (13 CPU-s), which costs nothing beside the
+# clusters the others start, and left the cores half idle at the run's end; and its tests are `quiet`
+# (never beside a busy one): last of FIRST, it started as test_rank_failures reached its two busy
+# tests, and its worker sat idle for 40-77 s until they were done (three runs of 2026-12-07).
 # Without the namespace tests (the fast loop), longest first alone.
 FIRST = (
-    "test_netns", "test_ray_start", "test_restarts", "test_one_node", "test_rank_failures", "test_addresses",
+    "test_addresses", "test_netns", "test_ray_start", "test_restarts", "test_one_node", "test_rank_failures",
 )  # fmt: skip
 SECONDS = {
     "test_restarts": 298, "test_netns": 228, "test_up": 219, "test_ray_start": 187, "test_megatron": 175,
