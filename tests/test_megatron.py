@@ -8,7 +8,9 @@ import json
 import os
 import re
 import shutil
+import signal
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -478,9 +480,12 @@ print("ok")
 
 
 @pytest.mark.slow  # processes of its own that import Megatron: out of the fast loop
-# its Ctrl-C comes 3 s in, timed for a driver past its own imports: beside the sixteen-ranks test (load
-# 27 on 2 cores) a fresh-clone run's had not finished importing megaray by then (Python's traceback)
-@pytest.mark.alone
+# its Ctrl-C comes 3 s after Python's own handler is in place, timed for a driver past its own imports:
+# beside the sixteen-ranks test (load 27 on 2 cores) a fresh-clone run's had not started Python by 3 s
+# after its start (exit -2, no handler yet), another's not finished importing megaray (Python's
+# traceback): never beside a busy test, and beside anything else (as `alone` it waited 33 s for the
+# other workers' Ray starts in a fresh-clone run)
+@pytest.mark.quiet
 @pytest.mark.parametrize("check", [True, False])
 def test_ctrl_c_during_the_preflight_exits_130_in_one_line(check):
     import signal
@@ -493,12 +498,23 @@ def test_ctrl_c_during_the_preflight_exits_130_in_one_line(check):
         [*args, *(["--check"] if check else [])], cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         text=True,
     )  # fmt: skip
+    deadline = time.monotonic() + 60
+    while not sigint_caught(p.pid):  # Python's handler: a Ctrl-C from here on is a KeyboardInterrupt
+        assert p.poll() is None and time.monotonic() < deadline
+        time.sleep(0.05)
     time.sleep(3)  # importing Megatron-Bridge for the preflight takes longer
     p.send_signal(signal.SIGINT)
     _, err = p.communicate(timeout=60)
     said = err if len(err) < 6000 else f"{err[:3000]}\n[...]\n{err[-3000:]}"  # where the Ctrl-C landed
     assert p.returncode == 130, said
     assert "Traceback" not in err and "interrupted by SIGINT" in err, said
+
+
+def sigint_caught(pid: int) -> bool:
+    """Whether the process has a handler for SIGINT (its SigCgt mask, bit 2 - 1)."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    caught = int(re.search(r"^SigCgt:\s*([0-9a-f]+)$", status, re.M).group(1), 16)
+    return bool(caught & (1 << (signal.SIGINT - 1)))
 
 
 @pytest.mark.slow  # processes of its own that import Megatron: out of the fast loop
@@ -589,6 +605,7 @@ def test_the_timed_forward_step_keeps_bridges_signature_and_sends_its_step_times
 # the driver as main.py runs it, then whether it imported torch or Megatron itself
 DRIVER_IMPORTS = """
 import sys
+from pathlib import Path
 from launcher.cli.main import main
 code = main(sys.argv[1:])
 print("driver imported:", [m for m in ("torch", "megatron.core", "megatron.bridge") if m in sys.modules])
