@@ -25,6 +25,8 @@ from pathlib import Path
 
 import pytest
 
+from . import turns
+
 _V1 = Path("/sys/fs/cgroup/cpuacct")
 _V2 = Path("/sys/fs/cgroup")
 _WORKER = os.environ.get("PYTEST_XDIST_WORKER", "main")
@@ -69,7 +71,7 @@ def pytest_configure(config):
     # error at the first test's record)
     _out_dir().mkdir(parents=True, exist_ok=True)
     if not hasattr(config, "workerinput"):  # the run's first process: an earlier run's counts go
-        for old in _out_dir().glob("cpu-*.tsv"):
+        for old in [*_out_dir().glob("cpu-*.tsv"), *_out_dir().glob("waits-*.tsv")]:
             old.unlink()
     try:
         _counter = _Counter()
@@ -87,6 +89,9 @@ def pytest_runtest_protocol(item, nextitem):
     cpu, wall = _counter.read() - cpu, time.monotonic() - wall
     with open(_out_dir() / f"cpu-{_WORKER}.tsv", "a") as f:
         f.write(f"{item.nodeid}\t{cpu:.1f}\t{wall:.1f}\t{started:.1f}\n")
+    with open(_out_dir() / f"waits-{_WORKER}.tsv", "a") as f:
+        while turns.waited:
+            f.write("\t".join(map(str, turns.waited.pop(0))) + "\n")
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -109,6 +114,26 @@ def pytest_terminal_summary(terminalreporter, config):
     terminalreporter.write_line(f"{sum(c for c, _ in by_module.values()):8.1f} cpu-s in all")
     for line in outside_tests(spans, _session_started, time.time()):
         terminalreporter.write_line(line)
+    for line in turn_waits(sorted(_out_dir().glob("waits-*.tsv"))):
+        terminalreporter.write_line(line)
+
+
+def turn_waits(files: list[Path]) -> list[str]:
+    """Each worker's waits for a turn (tests/turns.py) of a second or more, in all and the longest
+    three: a test that waits inside itself (a Ray's start waiting for an `alone` test to end) shows
+    no gap between tests, and its worker sits idle all the same."""
+    lines = []
+    for tsv in files:
+        waits = [line.split("\t") for line in tsv.read_text().splitlines()]
+        longest = sorted(waits, key=lambda w: -float(w[2]))[:3]
+        named = ", ".join(
+            f"{float(s):.0f} s {test.split('::')[-1][:60]} ({asked})" for test, asked, s in longest
+        )
+        worker = tsv.stem.removeprefix("waits-")
+        lines.append(
+            f"{worker}: {len(waits)} wait(s) for a turn, {sum(float(w[2]) for w in waits):.0f} s: {named}"
+        )
+    return lines
 
 
 def outside_tests(spans: dict[str, list[tuple[float, float]]], began: float, now: float) -> list[str]:

@@ -4,7 +4,7 @@ which no test's phases showed)."""
 
 from __future__ import annotations
 
-from .cpu_per_test import outside_tests
+from .cpu_per_test import outside_tests, turn_waits
 
 
 def test_gaps_between_a_workers_tests_and_the_runs_tail_are_said():
@@ -15,4 +15,16 @@ def test_gaps_between_a_workers_tests_and_the_runs_tail_are_said():
         "gw1: first test at 2 s, 0 gap(s) of 5 s or more between tests (0 s, the longest 0 s), last test "
         "ended at 45 s",
         "the run went on 50 s after its last test ended (101 s in all)",
+    ]
+
+
+def test_a_workers_waits_for_a_turn_are_added_up_and_the_longest_named(tmp_path):
+    (tmp_path / "waits-gw0.tsv").write_text(
+        "tests/test_up.py::test_a\talone\t1.5\n"
+        "tests/test_up.py::test_b\tbusy\t30.25\n"
+        "tests/test_x.py::test_c\tshared\t2.0\n"
+        "tests/test_x.py::test_d\tquiet\t12.0\n"
+    )
+    assert turn_waits([tmp_path / "waits-gw0.tsv"]) == [
+        "gw0: 4 wait(s) for a turn, 46 s: 30 s test_b (busy), 12 s test_d (quiet), 2 s test_c (shared)"
     ]

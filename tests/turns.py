@@ -27,6 +27,7 @@ import contextlib
 import enum
 import fcntl
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -34,6 +35,18 @@ _CPU = Path("/sys/fs/cgroup/cpu")
 _SHARES = 1024  # the kernel's default weight
 _LOWERED = _SHARES // 4  # the other workers' weight together, while an `alone` test runs
 _holding = False  # this worker has the `alone` turn: a turn asked inside it (others_lowered) has it too
+WAITED_S = 1.0  # a wait for a turn at least this long is kept in `waited`
+# (the test, what it asked, seconds): each wait for a turn of WAITED_S or more in this worker, for
+# tests/cpu_per_test.py, which tells waits between tests but not those inside one (a Ray's start)
+waited: list[tuple[str, str, float]] = []
+
+
+def _flock(file, how: int, asked: Turn) -> None:
+    t0 = time.monotonic()
+    fcntl.flock(file, how)
+    if (spent := time.monotonic() - t0) >= WAITED_S:
+        test = os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+        waited.append((test, asked.value, spent))
 
 
 class Turn(enum.Enum):
@@ -107,7 +120,7 @@ def turn(kind: Turn, own: Path | None, shared_tmp: Path) -> Iterator[None]:
         global _holding
         if kind is Turn.QUIET:
             with open(f"{base}.busy", "a") as busy_lock:
-                fcntl.flock(busy_lock, fcntl.LOCK_SH)  # never beside a busy test; beside the others
+                _flock(busy_lock, fcntl.LOCK_SH, kind)  # never beside a busy test; beside the others
                 yield
             return
         # inside a turn held already: a second flock of the file from this process would wait for ever
@@ -117,8 +130,8 @@ def turn(kind: Turn, own: Path | None, shared_tmp: Path) -> Iterator[None]:
         lower = kind is Turn.ALONE
         with open(f"{base}.busy", "a") as busy_lock, open(f"{base}.alone", "a") as lock:
             if kind is Turn.BUSY:
-                fcntl.flock(busy_lock, fcntl.LOCK_EX)  # no quiet test beside it
-            fcntl.flock(lock, fcntl.LOCK_EX)  # one `alone` test at a time
+                _flock(busy_lock, fcntl.LOCK_EX, kind)  # no quiet test beside it
+            _flock(lock, fcntl.LOCK_EX, kind)  # one `alone` test at a time
             if lower:
                 _set_others(run, own, lowered=True)
             _holding = True
@@ -131,8 +144,8 @@ def turn(kind: Turn, own: Path | None, shared_tmp: Path) -> Iterator[None]:
         return
     with open(f"{base}.turnstile", "a") as turnstile, open(f"{base}.lock", "a") as lock:
         exclusive = kind is not Turn.SHARED  # quiet too: on its own, where the turns are locks
-        fcntl.flock(turnstile, fcntl.LOCK_EX)
-        fcntl.flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH)
+        _flock(turnstile, fcntl.LOCK_EX, kind)
+        _flock(lock, fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH, kind)
         if not exclusive:
             fcntl.flock(turnstile, fcntl.LOCK_UN)
         try:
