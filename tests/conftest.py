@@ -263,11 +263,12 @@ KINDS = {
     "test_up": ("cluster", "slow"),
 }
 
-# Seconds each module took on 2 cores (two fresh-clone runs of 2026-12-07, `-p tests.cpu_per_test`):
+# Seconds each module took on 2 cores (three runs of 2026-12-07's afternoon, `-p tests.cpu_per_test`):
 # pytest-xdist hands whole modules to its workers (`--dist loadfile`, so a module's cluster is started
 # once) in this order (`--no-loadscope-reorder`), longest first, so that no long module starts last
 # while the other worker sits idle (test_submit, ranked by last week's figures, ran last in one
-# worker for the run's last 40 s while the other had nothing left).
+# worker for the run's last 40 s while the other had nothing left; test_gpu_suite, ranked at 73 s, its
+# one CPU test 57-106 s, its last 46 s).
 # FIRST go before them all: the namespace cluster's head (../shared/netns/ray-cluster.sh) takes Ray's
 # default job-agent and client-server ports (52365, 10001), which any other Ray started on this
 # machine with defaults would hold first; beside it run test_ray_start (its clusters take free ports),
@@ -283,10 +284,10 @@ FIRST = (
     "test_addresses", "test_netns", "test_ray_start", "test_restarts", "test_one_node", "test_rank_failures",
 )  # fmt: skip
 SECONDS = {
-    "test_restarts": 298, "test_netns": 228, "test_up": 219, "test_ray_start": 187, "test_megatron": 175,
-    "test_rank_failures": 140, "test_bench": 131, "test_multi_node": 126, "test_process": 121,
-    "test_one_node": 114, "test_metrics": 101, "test_demo": 88, "test_addresses": 80, "test_gpu_suite": 73,
-    "test_submit": 63, "test_examples": 29,
+    "test_restarts": 295, "test_up": 251, "test_netns": 244, "test_megatron": 220, "test_ray_start": 191,
+    "test_bench": 182, "test_process": 167, "test_rank_failures": 149, "test_one_node": 133,
+    "test_multi_node": 130, "test_metrics": 112, "test_gpu_suite": 95, "test_demo": 77, "test_submit": 72,
+    "test_addresses": 40, "test_examples": 30,
 }  # fmt: skip
 
 
