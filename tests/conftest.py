@@ -208,9 +208,9 @@ def ray_starting() -> contextlib.AbstractContextManager[None]:
     register with its GCS (hard-coded in ray/_private/node.py), and a worker lowered beside another's
     `alone` test that makes the machine busy on purpose took longer (a fresh-clone run of 2026-12-07:
     this fixture's `ray.init` and a `ray start` head, both beside the sixteen-ranks test, which then
-    lowered the others; it lowers nobody now). The start waits for any `alone` test to end and has the
-    cores while it runs (turns.others_lowered); inside an `alone` test, which holds the turn already,
-    it just runs."""
+    lowered the others; it lowers nobody now). The start waits for any `alone` test to end, not for a
+    busy one, and has the cores while it runs, the busy test's worker lowered too
+    (turns.others_lowered); inside an `alone` test, which holds the turn already, it just runs."""
     return turns.others_lowered(_own_group, _SHARED_TMP)
 
 

@@ -13,7 +13,9 @@ Waiting cost the run 75-150 s of one worker's time (its test under way had to en
 `alone` test could start, then it sat idle while the `alone` test, which uses 0.7-1.9 cores, ran).
 A test that makes the machine busy on purpose (`alone(busy=True)`) takes the turn, so that no test
 that times ranks runs beside it, but lowers nobody (`Turn.BUSY`). A test that mostly waits out
-a bound in seconds (`quiet`) is kept from the busy ones alone.
+a bound in seconds (`quiet`) is kept from the busy ones alone. A Ray's start inside a test
+(`others_lowered`: Ray's 30 s for a node) waits for the `alone` tests, and lowers every other worker,
+a busy one too, instead of waiting for it (`Turn.STARTING`).
 
 Elsewhere every test holds a shared lock for its whole run (set-up, the module's cluster included,
 and teardown) and an `alone` test holds it exclusively, so the other worker waits between two of its
@@ -56,6 +58,8 @@ class Turn(enum.Enum):
     ALONE = "alone"  # `alone`: one at a time, the other workers lowered
     BUSY = "busy"  # `alone(busy=True)`: one at a time with the `alone` ones, nobody lowered, no quiet one
     QUIET = "quiet"  # `quiet`: never beside a busy one; beside anything else
+    STARTING = "starting"  # a Ray's start inside a test (`others_lowered`): never beside an `alone` test,
+    # the other workers lowered, a busy one too
 
 
 def _run() -> str | None:
@@ -110,7 +114,14 @@ def turn(kind: Turn, own: Path | None, shared_tmp: Path) -> Iterator[None]:
     on beside it. (test_addresses was `alone`: while its cases waited out their bounds, the other
     workers' Ray starts waited for them, ~40 s of a worker idle in a run.) A BUSY test takes the busy
     lock before the `alone` one, so that a quiet test's own Ray start (which takes the `alone` turn)
-    never waits on a busy test that waits on the quiet test."""
+    never waits on a busy test that waits on the quiet test.
+
+    STARTING (a Ray's start inside a test, `others_lowered`) waits for an `alone` test, not for a busy
+    one: it lowers every other worker, the busy test's too, so that its node registers within Ray's
+    30 s while the machine stays busy. As an `alone` turn it waited for both busy tests: 50 s of one
+    worker's time in a fresh-clone run (test_up's `megaray up`). The locks: `busy` (BUSY exclusive,
+    QUIET shared), `timed` (ALONE and BUSY: never together), `alone` (ALONE and STARTING), each taken
+    in that order."""
     run = _run()
     if not run:  # one process: nothing runs beside the test
         yield
@@ -127,11 +138,18 @@ def turn(kind: Turn, own: Path | None, shared_tmp: Path) -> Iterator[None]:
         if kind is Turn.SHARED or _holding:
             yield
             return
-        lower = kind is Turn.ALONE
-        with open(f"{base}.busy", "a") as busy_lock, open(f"{base}.alone", "a") as lock:
+        lower = kind is not Turn.BUSY
+        with (
+            open(f"{base}.busy", "a") as busy_lock,
+            open(f"{base}.timed", "a") as timed,
+            open(f"{base}.alone", "a") as lock,
+        ):
             if kind is Turn.BUSY:
                 _flock(busy_lock, fcntl.LOCK_EX, kind)  # no quiet test beside it
-            _flock(lock, fcntl.LOCK_EX, kind)  # one `alone` test at a time
+            if kind is not Turn.STARTING:
+                _flock(timed, fcntl.LOCK_EX, kind)  # no `alone` test beside a busy one
+            if kind is not Turn.BUSY:
+                _flock(lock, fcntl.LOCK_EX, kind)  # one `alone` test or Ray start at a time
             if lower:
                 _set_others(run, own, lowered=True)
             _holding = True
@@ -159,11 +177,11 @@ def turn(kind: Turn, own: Path | None, shared_tmp: Path) -> Iterator[None]:
 def others_lowered(own: Path | None, shared_tmp: Path) -> Iterator[None]:
     """The other workers lowered for a stretch inside a test that is not `alone` as a whole: a step
     with a time bound the test does not set (Ray gives a node's raylet 30 s to register, a hard-coded
-    bound that a loaded machine passes). After any `alone` test of the other worker, as those are after
-    each other. Nothing where the turns are locks: the test holds its shared one, and the exclusive
-    one would wait for it for ever."""
+    bound that a loaded machine passes). After any `alone` test of the other workers, as those are
+    after each other; beside a busy one, lowered too (`Turn.STARTING`). Nothing where the turns are
+    locks: the test holds its shared one, and the exclusive one would wait for it for ever."""
     if own is None:
         yield
         return
-    with turn(Turn.ALONE, own, shared_tmp):
+    with turn(Turn.STARTING, own, shared_tmp):
         yield
