@@ -118,6 +118,11 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_line(line)
 
 
+def _short(test: str) -> str:
+    """A test's name, cut; none for a wait before a test's own start (its turn, between tests)."""
+    return test.split("::")[-1][:60] or "between tests"
+
+
 def turn_waits(files: list[Path]) -> list[str]:
     """Each worker's waits for a turn (tests/turns.py) of a second or more, in all and the longest
     three: a test that waits inside itself (a Ray's start waiting for an `alone` test to end) shows
@@ -126,9 +131,7 @@ def turn_waits(files: list[Path]) -> list[str]:
     for tsv in files:
         waits = [line.split("\t") for line in tsv.read_text().splitlines()]
         longest = sorted(waits, key=lambda w: -float(w[2]))[:3]
-        named = ", ".join(
-            f"{float(s):.0f} s {test.split('::')[-1][:60]} ({asked})" for test, asked, s in longest
-        )
+        named = ", ".join(f"{float(s):.0f} s {_short(test)} ({asked})" for test, asked, s in longest)
         worker = tsv.stem.removeprefix("waits-")
         lines.append(
             f"{worker}: {len(waits)} wait(s) for a turn, {sum(float(w[2]) for w in waits):.0f} s: {named}"

@@ -22,9 +22,9 @@ def test_a_workers_waits_for_a_turn_are_added_up_and_the_longest_named(tmp_path)
     (tmp_path / "waits-gw0.tsv").write_text(
         "tests/test_up.py::test_a\talone\t1.5\n"
         "tests/test_up.py::test_b\tbusy\t30.25\n"
-        "tests/test_x.py::test_c\tshared\t2.0\n"
+        "\tshared\t2.0\n"
         "tests/test_x.py::test_d\tquiet\t12.0\n"
     )
     assert turn_waits([tmp_path / "waits-gw0.tsv"]) == [
-        "gw0: 4 wait(s) for a turn, 46 s: 30 s test_b (busy), 12 s test_d (quiet), 2 s test_c (shared)"
+        "gw0: 4 wait(s) for a turn, 46 s: 30 s test_b (busy), 12 s test_d (quiet), 2 s between tests (shared)"
     ]
