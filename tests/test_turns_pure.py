@@ -1,9 +1,11 @@
 """Which turn a test takes between the pytest-xdist workers (tests/turns.py), read from its markers by
 conftest.py's `turn_of`: a marker misread would let a test that times ranks run beside a busy one."""
 
+import sys
+
 import pytest
 
-from .conftest import turn_of
+from .conftest import REPO, turn_of
 from .turns import Turn
 
 
@@ -33,18 +35,19 @@ def test_a_tests_markers_give_its_turn(decorators, turn):
     assert turn_of(_Item(*decorators)) is turn
 
 
-def _hold(kind: Turn, seconds: float, events, name: str, shared: str) -> None:
-    import os
-    import time
-    from pathlib import Path
-
-    from . import turns
-
-    os.environ["PYTEST_XDIST_TESTRUNUID"] = "turns-pure-check"
-    with turns.turn(kind, Path("/nonexistent-group"), Path(shared)):  # no cgroup of its own: none lowered
-        events.put((name, "in"))
-        time.sleep(seconds)
-        events.put((name, "out"))  # before the turn is given up: the other's "in" can only follow
+HOLD = """
+import os, sys, time
+from pathlib import Path
+from tests import turns
+kind, seconds, name, shared, log = turns.Turn(sys.argv[1]), float(sys.argv[2]), *sys.argv[3:]
+def say(what):
+    with open(log, "a") as f:  # appended whole: the file's order is the order things happened
+        f.write(f"{name} {what}\\n")
+with turns.turn(kind, Path("/nonexistent-group"), Path(shared)):  # no cgroup of its own: none lowered
+    say("in")
+    time.sleep(seconds)
+    say("out")  # before the turn is given up: the other's "in" can only follow
+"""
 
 
 @pytest.mark.parametrize(
@@ -62,15 +65,23 @@ def _hold(kind: Turn, seconds: float, events, name: str, shared: str) -> None:
 def test_which_turns_run_beside_which(tmp_path, first, second, beside):
     """Two workers' turns, each a process of its own taking the locks (tests/turns.py): whether the
     second enters while the first holds its turn."""
-    import multiprocessing
+    import os
+    import subprocess
+    import time
 
-    events = multiprocessing.Queue()
-    a = multiprocessing.Process(target=_hold, args=(first, 0.5, events, "first", str(tmp_path)))
-    a.start()
-    assert events.get(timeout=30) == ("first", "in")
-    b = multiprocessing.Process(target=_hold, args=(second, 0.0, events, "second", str(tmp_path)))
-    b.start()
-    a.join(30)
-    b.join(30)
-    order = [events.get(timeout=5) for _ in range(3)]
-    assert (order.index(("second", "in")) < order.index(("first", "out"))) is beside, order
+    log = tmp_path / "order"
+    env = {**os.environ, "PYTEST_XDIST_TESTRUNUID": "turns-pure-check"}
+
+    def hold(kind: Turn, seconds: float, name: str) -> subprocess.Popen:
+        argv = [sys.executable, "-c", HOLD, kind.value, str(seconds), name, str(tmp_path), str(log)]
+        return subprocess.Popen(argv, cwd=REPO, env=env)
+
+    a = hold(first, 0.5, "first")
+    deadline = time.monotonic() + 30
+    while "first in" not in (log.read_text() if log.exists() else ""):
+        assert a.poll() is None and time.monotonic() < deadline
+        time.sleep(0.02)
+    b = hold(second, 0.0, "second")
+    assert a.wait(30) == 0 and b.wait(30) == 0
+    order = log.read_text().splitlines()
+    assert (order.index("second in") < order.index("first out")) is beside, order
