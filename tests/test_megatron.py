@@ -605,7 +605,6 @@ def test_the_timed_forward_step_keeps_bridges_signature_and_sends_its_step_times
 # the driver as main.py runs it, then whether it imported torch or Megatron itself
 DRIVER_IMPORTS = """
 import sys
-from pathlib import Path
 from launcher.cli.main import main
 code = main(sys.argv[1:])
 print("driver imported:", [m for m in ("torch", "megatron.core", "megatron.bridge") if m in sys.modules])
