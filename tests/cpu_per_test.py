@@ -89,9 +89,10 @@ def pytest_runtest_protocol(item, nextitem):
     cpu, wall = _counter.read() - cpu, time.monotonic() - wall
     with open(_out_dir() / f"cpu-{_WORKER}.tsv", "a") as f:
         f.write(f"{item.nodeid}\t{cpu:.1f}\t{wall:.1f}\t{started:.1f}\n")
-    with open(_out_dir() / f"waits-{_WORKER}.tsv", "a") as f:
-        while turns.waited:
-            f.write("\t".join(map(str, turns.waited.pop(0))) + "\n")
+    if turns.waited:  # most tests waited for nothing: no file opened for them
+        with open(_out_dir() / f"waits-{_WORKER}.tsv", "a") as f:
+            while turns.waited:
+                f.write("\t".join(map(str, turns.waited.pop(0))) + "\n")
 
 
 def pytest_terminal_summary(terminalreporter, config):

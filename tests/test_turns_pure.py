@@ -36,7 +36,7 @@ def test_a_tests_markers_give_its_turn(decorators, turn):
 
 
 HOLD = """
-import os, sys, time
+import sys, time
 from pathlib import Path
 from tests import turns
 kind, seconds, name, shared, log = turns.Turn(sys.argv[1]), float(sys.argv[2]), *sys.argv[3:]

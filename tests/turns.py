@@ -35,7 +35,7 @@ from pathlib import Path
 
 _CPU = Path("/sys/fs/cgroup/cpu")
 _SHARES = 1024  # the kernel's default weight
-_LOWERED = _SHARES // 4  # the other workers' weight together, while an `alone` test runs
+_LOWERED = _SHARES // 4  # the other workers' weight together, while an `alone` test or a Ray's start runs
 _holding = False  # this worker has the `alone` turn: a turn asked inside it (others_lowered) has it too
 WAITED_S = 1.0  # a wait for a turn at least this long is kept in `waited`
 # (the test, what it asked, seconds): each wait for a turn of WAITED_S or more in this worker, for
@@ -112,9 +112,8 @@ def turn(kind: Turn, own: Path | None, shared_tmp: Path) -> Iterator[None]:
     QUIET: a test that mostly waits, with a bound in seconds, is never beside a BUSY one, and takes no
     turn from anything else: it lowers nobody, and the other workers' Ray starts and `alone` tests go
     on beside it. (test_addresses was `alone`: while its cases waited out their bounds, the other
-    workers' Ray starts waited for them, ~40 s of a worker idle in a run.) A BUSY test takes the busy
-    lock before the `alone` one, so that a quiet test's own Ray start (which takes the `alone` turn)
-    never waits on a busy test that waits on the quiet test.
+    workers' Ray starts waited for them, ~40 s of a worker idle in a run.) A quiet test's own Ray
+    start (STARTING) never waits on a busy test, which waits on the quiet test.
 
     STARTING (a Ray's start inside a test, `others_lowered`) waits for an `alone` test, not for a busy
     one: it lowers every other worker, the busy test's too, so that its node registers within Ray's
